@@ -1,0 +1,74 @@
+"""Writes NaN Watch summaries to TensorBoard event files, without TensorFlow.
+
+Uses TensorBoard's own ``EventFileWriter``, which goes through ``tf.io.gfile``
+when TensorFlow is installed (so ``gs://``, ``ram://`` ... work) and through
+plain files otherwise. Each writer owns its own event file (the file name holds
+host, pid and a timestamp), so several processes can share one run dir.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
+from tensorboard.compat.proto import types_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.util import tensor_util
+
+from tb_nanwatch import metadata
+
+
+def json_dumps(value: object) -> str:
+    """JSON with NaN/Infinity tokens kept (a NaN is the data, never dropped)."""
+    return json.dumps(value, allow_nan=True, separators=(",", ":"))
+
+
+def _string_tensor(text: str) -> tensor_pb2.TensorProto:
+    return tensor_pb2.TensorProto(
+        dtype=types_pb2.DT_STRING,
+        tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+        string_val=[text.encode("utf-8")],
+    )
+
+
+class RunWriter:
+    """Appends NaN Watch summaries to one event file in ``log_dir``."""
+
+    def __init__(self, log_dir: str, filename_suffix: str = ".nanwatch") -> None:
+        self.log_dir = log_dir
+        # flush_secs is large: flushing is driven explicitly by the recorder.
+        self._writer = EventFileWriter(
+            log_dir, max_queue_size=64, flush_secs=3600, filename_suffix=filename_suffix
+        )
+        self._closed = False
+
+    def _add(self, tag: str, kind: str, step: int, tensor: tensor_pb2.TensorProto) -> None:
+        summary = summary_pb2.Summary(
+            value=[
+                summary_pb2.Summary.Value(
+                    tag=tag,
+                    metadata=metadata.create_summary_metadata(kind),
+                    tensor=tensor,
+                )
+            ]
+        )
+        self._writer.add_event(
+            event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary)
+        )
+
+    def write_json(self, tag: str, kind: str, step: int, value: object) -> None:
+        self._add(tag, kind, step, _string_tensor(json_dumps(value)))
+
+    def write_array(self, tag: str, kind: str, step: int, array: np.ndarray) -> None:
+        self._add(tag, kind, step, tensor_util.make_tensor_proto(np.asarray(array, np.float32)))
+
+    def flush(self) -> None:
+        if not self._closed:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._writer.close()
+            self._closed = True

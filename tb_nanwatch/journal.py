@@ -1,0 +1,267 @@
+"""The host side of a watched run: diagnosis, flight recorder and event files.
+
+The compiled step hands over one float32 vector per training step (laid out by
+a :class:`~tb_nanwatch.schema.Schema`). The journal turns that stream into the
+on-disk record described in :mod:`tb_nanwatch.metadata`. It needs no
+TensorFlow, so the same code serves the Keras callback, the custom-loop API and
+the synthetic-run generator of the benchmark.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from tb_nanwatch import diagnosis, metadata
+from tb_nanwatch.event_writer import RunWriter
+from tb_nanwatch.schema import Schema
+
+SERIES_BASE_COLUMNS = (
+    "loss",
+    "grad_norm",
+    "logit_min",
+    "logit_max",
+    "lr",
+    "loss_scale",
+    "skipped",
+    "nonfinite",
+    "iterations",
+    "epoch",
+    "batch",
+)
+
+
+def _ranges(steps: list[int]) -> list[list[int]]:
+    """[3, 4, 5, 9] -> [[3, 5], [9, 9]]."""
+    out: list[list[int]] = []
+    for step in steps:
+        if out and out[-1][1] == step - 1:
+            out[-1][1] = step
+        else:
+            out.append([step, step])
+    return out
+
+
+class RunJournal:
+    """Receives per-step stats vectors and keeps the run's record on disk."""
+
+    def __init__(
+        self,
+        log_dir: str,
+        schema: Schema,
+        run_info: dict,
+        *,
+        window: int = 32,
+        snapshot_every: int = 1000,
+        max_consecutive_skips: int = 20,
+        flush_secs: float = 10.0,
+        explosion: diagnosis.ExplosionDetector | None = None,
+        writer: RunWriter | None = None,
+    ) -> None:
+        self.schema = schema
+        self.run_info = dict(run_info)
+        self.window = window
+        self.snapshot_every = snapshot_every
+        self.max_consecutive_skips = max_consecutive_skips
+        self.flush_secs = flush_secs
+        self.explosion = explosion or diagnosis.ExplosionDetector()
+        self.writer = writer or RunWriter(log_dir)
+
+        header = schema.header()
+        self._header = header.offset
+        self._outputs = [e for e in schema.entries if e.phase == "loss" and e.layer is not None]
+        self._logits = schema.find(kind="logits")
+        self.series_columns = list(SERIES_BASE_COLUMNS) + [
+            f"loss/{e.layer}" for e in self._outputs
+        ]
+        self._chunk_rows: list[np.ndarray] = []
+        self._chunk_start = 0
+        self._ring = np.zeros((max(window, 1), schema.size), np.float32)
+        self._ring_steps = np.full(max(window, 1), -1, np.int64)
+        self.steps = 0
+        self.first_nonfinite: dict | None = None
+        self.explosion_onset: dict | None = None
+        self.skipped_steps: list[int] = []
+        self._skip_streak_start: int | None = None
+        self._skip_streak_vector: np.ndarray | None = None
+        self._skip_streak_meta: tuple[int, int] | None = None
+        self.status = "running"
+        self.repro_bundle: str | None = None
+        self._last_flush = time.monotonic()
+
+    # -- per step ---------------------------------------------------------
+
+    def record(self, step: int, epoch: int, batch: int, vector: np.ndarray) -> dict | None:
+        """Records one step; returns the incident dict when this step is one."""
+        vector = np.asarray(vector, np.float32)
+        if vector.shape != (self.schema.size,):
+            raise ValueError(
+                f"stats vector has shape {vector.shape}, schema expects ({self.schema.size},)"
+            )
+        if step != self.steps:
+            raise ValueError(f"steps must be recorded in order: expected {self.steps}, got {step}")
+        slot = step % self._ring.shape[0]
+        self._ring[slot] = vector
+        self._ring_steps[slot] = step
+
+        h = self._header
+        loss, grad_norm, lr, loss_scale, skipped, iterations = vector[h : h + 6]
+        logit_min, logit_max = self._logit_extremes(vector)
+        origin = diagnosis.find_origin(self.schema, vector)
+        row = [
+            loss,
+            grad_norm,
+            logit_min,
+            logit_max,
+            lr,
+            loss_scale,
+            skipped,
+            0.0 if origin is None else 1.0,
+            iterations,
+            epoch,
+            batch,
+        ] + [vector[e.offset + 2] for e in self._outputs]
+        if not self._chunk_rows:
+            self._chunk_start = step
+        self._chunk_rows.append(np.asarray(row, np.float32))
+        self.steps = step + 1
+
+        if self.snapshot_every and step % self.snapshot_every == 0:
+            self.writer.write_array(
+                metadata.layers_tag(step), metadata.KIND_LAYERS, step, vector
+            )
+
+        incident = None
+        if self.first_nonfinite is None:
+            incident = self._diagnose(step, epoch, batch, vector, origin, bool(skipped))
+        if self.explosion_onset is None:
+            logit_abs = max(abs(float(logit_min)), abs(float(logit_max)))
+            self.explosion_onset = self.explosion.update(
+                step,
+                {
+                    "loss": float(loss),
+                    "grad_norm": float(grad_norm),
+                    "logits": logit_abs if self._logits else None,
+                },
+            )
+            if self.explosion_onset is not None:
+                self.flush()
+
+        if len(self._chunk_rows) >= metadata.CHUNK_STEPS:
+            self._write_chunk()
+            self._chunk_rows = []
+        if incident is not None:
+            self._write_incident(incident)
+        elif time.monotonic() - self._last_flush > self.flush_secs:
+            self.flush()
+        return incident
+
+    def _logit_extremes(self, vector: np.ndarray) -> tuple[float, float]:
+        if not self._logits:
+            return math.nan, math.nan
+        mins = [vector[e.offset + 2] for e in self._logits]
+        maxs = [vector[e.offset + 3] for e in self._logits]
+        return float(np.min(mins)), float(np.max(maxs))
+
+    def _diagnose(self, step, epoch, batch, vector, origin, skipped) -> dict | None:
+        if skipped:
+            self.skipped_steps.append(step)
+            if self._skip_streak_start is None:
+                self._skip_streak_start = step
+                self._skip_streak_vector = vector.copy()
+                self._skip_streak_meta = (epoch, batch)
+            streak = step - self._skip_streak_start + 1
+            if self.max_consecutive_skips and streak >= self.max_consecutive_skips:
+                first = self._skip_streak_start
+                first_origin = diagnosis.find_origin(self.schema, self._skip_streak_vector)
+                return self._incident(
+                    first,
+                    *self._skip_streak_meta,
+                    self._skip_streak_vector,
+                    first_origin,
+                    note=f"{streak} consecutive steps skipped by the loss scaler",
+                )
+            return None
+        self._skip_streak_start = None
+        if origin is None:
+            return None
+        return self._incident(step, epoch, batch, vector, origin)
+
+    def _incident(self, step, epoch, batch, vector, origin, note=None) -> dict:
+        h = self._header
+        incident = {
+            "step": int(step),
+            **(origin or {"phase": "backward", "layer": None, "tensor": "scaled gradients", "kind": "inf"}),
+            "epoch": int(epoch),
+            "batch": int(batch),
+            "iterations": int(vector[h + 5]),
+            "loss": float(vector[h]),
+        }
+        if note:
+            incident["note"] = note
+        incident.update(self.run_info.get("incident_context", {}))
+        self.first_nonfinite = incident
+        return incident
+
+    # -- writing ----------------------------------------------------------
+
+    def _write_chunk(self) -> None:
+        if not self._chunk_rows:
+            return
+        chunk = np.stack(self._chunk_rows)
+        index = self._chunk_start // metadata.CHUNK_STEPS
+        self.writer.write_array(
+            metadata.series_tag(index), metadata.KIND_SERIES, self._chunk_start, chunk
+        )
+
+    def flight_window(self) -> tuple[np.ndarray, np.ndarray]:
+        """The last ``window`` steps recorded: (steps, [n, schema.size])."""
+        valid = self._ring_steps >= 0
+        order = np.argsort(self._ring_steps[valid])
+        return self._ring_steps[valid][order], self._ring[valid][order]
+
+    def _write_incident(self, incident: dict) -> None:
+        steps, window = self.flight_window()
+        if len(steps):
+            self.writer.write_array(
+                metadata.TAG_FLIGHT, metadata.KIND_FLIGHT, int(steps[0]), window
+            )
+        self.writer.write_json(
+            metadata.TAG_INCIDENT, metadata.KIND_INCIDENT, incident["step"], incident
+        )
+        self.flush()
+
+    def set_repro_bundle(self, relative_path: str) -> None:
+        self.repro_bundle = relative_path
+        self.flush()
+
+    def summary(self) -> dict:
+        return {
+            "format_version": metadata.FORMAT_VERSION,
+            "steps": self.steps,
+            "status": self.status,
+            "first_nonfinite": self.first_nonfinite,
+            "explosion": self.explosion_onset,
+            "skipped_ranges": _ranges(self.skipped_steps),
+            "series_columns": self.series_columns,
+            "chunk_steps": metadata.CHUNK_STEPS,
+            "snapshot_every": self.snapshot_every,
+            "window": self.window,
+            "repro_bundle": self.repro_bundle,
+            "schema": self.schema.to_json(),
+            **{k: v for k, v in self.run_info.items() if k != "incident_context"},
+        }
+
+    def flush(self) -> None:
+        """Writes the partial series chunk and the run summary, then syncs."""
+        self._write_chunk()
+        self.writer.write_json(metadata.TAG_RUN, metadata.KIND_RUN, self.steps, self.summary())
+        self.writer.flush()
+        self._last_flush = time.monotonic()
+
+    def close(self, status: str = "finished") -> None:
+        self.status = status
+        self.flush()
+        self.writer.close()

@@ -1,0 +1,108 @@
+"""Layout of the per-step statistics vector.
+
+The compiled train step packs every statistic of one step into a single
+float32 vector (one device-to-host transfer). A :class:`Schema` names each
+slot: it is a list of :class:`Entry` objects in *diagnosis order*
+(input -> forward in execution order -> loss -> backward in reverse execution
+order -> update), each owning a few consecutive fields. The schema is stored
+as JSON in the run summary, so readers never need TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+PHASES = ("input", "forward", "loss", "backward", "update")
+
+# Fields of each entry kind, in vector order. ``nan``/``inf`` are element
+# counts; a field whose value is non-finite (``value``, ``norm``) also marks
+# the entry non-finite.
+# Every kind but "header" starts with the element counts ``nan`` and ``inf``,
+# which alone decide whether the entry is non-finite.
+FIELDS = {
+    "header": ("loss", "grad_norm", "lr", "loss_scale", "skipped", "iterations"),
+    "input": ("nan", "inf", "min", "max"),
+    "activation": ("nan", "inf", "min", "max"),
+    "logits": ("nan", "inf", "min", "max"),
+    "loss": ("nan", "inf", "value"),
+    "grad_out": ("nan", "inf", "norm"),
+    "grad_in": ("nan", "inf", "norm"),
+    "grad_var": ("nan", "inf", "norm"),
+    "weights": ("nan", "inf"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One watched tensor: where it lives in the vector and what it is."""
+
+    phase: str  # one of PHASES, or "header" (not diagnosed)
+    kind: str  # a key of FIELDS
+    layer: str | None  # layer path, input name, or None
+    tensor: str  # human description, e.g. "output of backbone/conv1"
+    offset: int
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return FIELDS[self.kind]
+
+    @property
+    def size(self) -> int:
+        return len(self.fields)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Schema:
+    """An ordered list of entries laid out in one vector."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.size = 0
+
+    def add(self, phase: str, kind: str, layer: str | None, tensor: str) -> Entry:
+        entry = Entry(phase, kind, layer, tensor, self.size)
+        self.entries.append(entry)
+        self.size += entry.size
+        return entry
+
+    def header(self) -> Entry:
+        return self.entries[0]
+
+    def find(self, phase: str | None = None, kind: str | None = None) -> list[Entry]:
+        return [
+            e
+            for e in self.entries
+            if (phase is None or e.phase == phase) and (kind is None or e.kind == kind)
+        ]
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "entries": [e.to_json() for e in self.entries]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Schema":
+        schema = cls()
+        for raw in data["entries"]:
+            entry = Entry(
+                phase=str(raw["phase"]),
+                kind=str(raw["kind"]),
+                layer=raw.get("layer"),
+                tensor=str(raw["tensor"]),
+                offset=int(raw["offset"]),
+            )
+            if entry.kind not in FIELDS or entry.offset != schema.size:
+                raise ValueError(f"malformed schema entry {raw!r}")
+            schema.entries.append(entry)
+            schema.size += entry.size
+        if schema.size != int(data["size"]):
+            raise ValueError("schema size does not match its entries")
+        return schema
+
+    def values(self, vector: Iterable[float], entry: Entry) -> dict[str, float]:
+        """The named fields of ``entry`` read from ``vector``."""
+        vector = list(vector) if not hasattr(vector, "__getitem__") else vector
+        return {
+            name: float(vector[entry.offset + i]) for i, name in enumerate(entry.fields)
+        }
