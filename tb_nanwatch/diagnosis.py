@@ -42,7 +42,8 @@ def find_origin(schema: Schema, vector: np.ndarray) -> dict | None:
         if kind is not None:
             return {
                 "phase": entry.phase,
-                "layer": entry.layer,
+                # The loss belongs to no layer; the tensor text names the output.
+                "layer": None if entry.phase == "loss" else entry.layer,
                 "tensor": entry.tensor,
                 "kind": kind,
             }

@@ -1,0 +1,341 @@
+"""NanWatch: a Keras callback that finds where NaN/Inf is born.
+
+What you get
+------------
+For every training batch NanWatch records, inside the compiled train step,
+the finiteness of every tensor that matters: the model inputs, each layer's
+output (in execution order, nested models included, named by path such as
+``backbone/block2_conv``), the logits before a final sigmoid/softmax, each
+output's loss, the gradient with respect to each layer's output and input, each
+variable's gradient before the optimizer applies it, and each variable after the
+update, plus the learning rate and, under mixed precision, the loss scale.
+
+When the first non-finite value appears, NanWatch tells you *where it was
+born*: the first non-finite tensor in the order input -> forward -> loss ->
+backward -> update. For example::
+
+    NanWatch: first non-finite value at step 1234 (epoch 3, batch 34):
+      phase=backward layer=encoder/norm tensor='gradient w.r.t. input of encoder/norm' kind=nan
+
+reads: every input, activation and the loss of step 1234 were finite; going
+backwards from the loss, the first gradient that was not finite is the one
+flowing out of ``encoder/norm`` into its input: that layer's backward op (a
+``sqrt`` at 0, say) made the NaN.
+
+It also flags an *explosion onset* (loss, gradient norm or logits climbing
+by orders of magnitude) before anything is non-finite, lists mixed-precision
+steps skipped by the loss scaler without calling them incidents, and writes it
+all to TensorBoard event files in ``log_dir`` (the "NaN Watch" tab), with the
+last ``window`` steps of per-layer statistics and a reproduction bundle (the
+offending batch and the weights before the offending step) next to them.
+
+Example::
+
+    model.fit(x, y, epochs=5, callbacks=[tb_nanwatch.NanWatch("logs/run1")])
+    # then: tensorboard --logdir logs    or    tb-nanwatch report logs
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import sys
+import uuid
+import warnings
+
+import keras
+import tensorflow as tf
+
+from tb_nanwatch import bundle, diagnosis
+from tb_nanwatch.event_writer import RunWriter
+from tb_nanwatch.journal import RunJournal
+from tb_nanwatch.recorder import PRE_STEP_WEIGHTS, StepRecorder
+
+logger = logging.getLogger("tb_nanwatch")
+
+ON_NONFINITE = ("stop", "raise", "continue")
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by ``on_nonfinite="raise"``; ``.incident`` holds the diagnosis."""
+
+    def __init__(self, incident: dict) -> None:
+        super().__init__(describe_incident(incident))
+        self.incident = incident
+
+
+def describe_incident(incident: dict) -> str:
+    return (
+        f"first non-finite value at step {incident['step']} "
+        f"(epoch {incident.get('epoch')}, batch {incident.get('batch')}): "
+        f"phase={incident['phase']} layer={incident['layer']} "
+        f"tensor={incident['tensor']!r} kind={incident['kind']}"
+    )
+
+
+def check_writable(log_dir: str, argument: str = "log_dir") -> None:
+    """Raises ValueError naming ``argument`` unless ``log_dir`` can be written."""
+    if not isinstance(log_dir, str) or not log_dir:
+        raise ValueError(f"{argument} must be a non-empty path string, got {log_dir!r}")
+    probe = posixpath.join(log_dir, f".nanwatch-write-test-{uuid.uuid4().hex}")
+    try:
+        tf.io.gfile.makedirs(log_dir)
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("ok")
+        tf.io.gfile.remove(probe)
+    except Exception as error:  # noqa: BLE001 - any failure means "not writable"
+        raise ValueError(f"{argument} {log_dir!r} is not writable: {error}") from None
+
+
+def _positive_int(name: str, value, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+    return value
+
+
+class NanWatch(keras.callbacks.Callback):
+    """Records where NaN/Inf is born during ``fit``; writes it for TensorBoard.
+
+    Args:
+        log_dir: run directory for the event files and reproduction bundle
+            (any ``tf.io.gfile`` path: local, ``gs://``, ...).
+        on_nonfinite: ``"stop"`` (default) ends training after the step,
+            ``"raise"`` raises :class:`NonFiniteError`, ``"continue"`` keeps
+            training and recording. The incident is on disk before any of them.
+        window: steps of full per-layer statistics kept in the flight recorder
+            and written with the incident.
+        max_consecutive_skips: mixed-precision steps skipped by the loss scaler
+            in a row before it counts as an incident (0: never).
+        snapshot_every: write a full per-layer snapshot every N steps (0: never).
+        flush_secs: flush the on-disk record at least this often.
+        pre_step_weights: ``"every_step"`` keeps an on-device copy of the
+            weights before each step (exact bundles for every phase);
+            ``"on_suspect"`` copies only when input..backward is non-finite
+            (update-phase incidents then get no weights); ``"off"``.
+        explosion_factor: how far above its reference level a signal must
+            climb to be an explosion (see ``diagnosis.ExplosionDetector``).
+    """
+
+    def __init__(
+        self,
+        log_dir: str,
+        on_nonfinite: str = "stop",
+        window: int = 32,
+        max_consecutive_skips: int = 20,
+        snapshot_every: int = 1000,
+        flush_secs: float = 10.0,
+        pre_step_weights: str = "every_step",
+        explosion_factor: float = 1e3,
+    ) -> None:
+        super().__init__()
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+        if pre_step_weights not in PRE_STEP_WEIGHTS:
+            raise ValueError(
+                f"pre_step_weights must be one of {PRE_STEP_WEIGHTS}, got {pre_step_weights!r}"
+            )
+        self.window = _positive_int("window", window)
+        self.max_consecutive_skips = _positive_int(
+            "max_consecutive_skips", max_consecutive_skips, allow_zero=True
+        )
+        self.snapshot_every = _positive_int("snapshot_every", snapshot_every, allow_zero=True)
+        if not isinstance(flush_secs, (int, float)) or flush_secs <= 0:
+            raise ValueError(f"flush_secs must be a positive number, got {flush_secs!r}")
+        if not isinstance(explosion_factor, (int, float)) or explosion_factor <= 10:
+            raise ValueError(f"explosion_factor must be a number > 10, got {explosion_factor!r}")
+        check_writable(log_dir)
+        self.log_dir = log_dir
+        self.on_nonfinite = on_nonfinite
+        self.flush_secs = float(flush_secs)
+        self.pre_step_weights = pre_step_weights
+        self.explosion_factor = float(explosion_factor)
+        self.incident: dict | None = None
+        self.journal: RunJournal | None = None
+        self._recorder: StepRecorder | None = None
+        self._disabled = False
+        self._siblings: list = []
+        self._step = 0
+        self._epoch = 0
+        self._batch_in_epoch = 0
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def on_train_begin(self, logs=None) -> None:
+        model = self.model
+        if model is None or not getattr(model, "compiled", False) or model.optimizer is None:
+            raise ValueError(
+                "model must be compiled with an optimizer before fit() with NanWatch "
+                "(call model.compile(optimizer=..., loss=...))"
+            )
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+        if type(model).train_step is not TensorFlowTrainer.train_step:
+            self._disable(
+                f"{type(model).__name__} overrides train_step, which NanWatch cannot "
+                "instrument from outside; nothing is watched. Use tb_nanwatch.StepWatcher "
+                "inside your train_step instead."
+            )
+            return
+        self._siblings = _sibling_callbacks(self)
+        self._step = 0
+        self.incident = None
+        self.journal = None
+        try:
+            self._recorder = StepRecorder(
+                model,
+                steps_per_execution=getattr(model, "steps_per_execution", 1) or 1,
+                pre_step_weights=self.pre_step_weights,
+            )
+            self._recorder.install()
+            object.__setattr__(model, "train_step", self._recorder.keras_train_step)
+            model.make_train_function(force=True)
+        except Exception as error:  # noqa: BLE001 - never break the user's fit
+            self._restore_model()
+            self._disable(f"could not instrument the train step: {error!r}")
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        self._epoch = epoch
+        self._batch_in_epoch = 0
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        if self._disabled or self._recorder is None:
+            return
+        incident = None
+        try:
+            incident = self._record_new_steps()
+        except Exception as error:  # noqa: BLE001
+            self._disable(f"recording failed: {error!r}")
+            return
+        if incident is not None:
+            self._on_incident(incident)
+
+    def on_train_end(self, logs=None) -> None:
+        self._restore_model()
+        if self.journal is not None:
+            status = "stopped" if self.incident and self.on_nonfinite == "stop" else "finished"
+            try:
+                self.journal.close(status)
+            except Exception as error:  # noqa: BLE001
+                self._disable(f"could not close the record: {error!r}")
+
+    # -- recording -------------------------------------------------------------
+
+    def _record_new_steps(self) -> dict | None:
+        rows = self._recorder.fetch()
+        if rows and self.journal is None:
+            self.journal = self._open_journal()
+        first_incident = None
+        for row in rows:
+            incident = self.journal.record(self._step, self._epoch, self._batch_in_epoch, row)
+            self._step += 1
+            self._batch_in_epoch += 1
+            if incident is not None and first_incident is None:
+                first_incident = incident
+        return first_incident
+
+    def _open_journal(self) -> RunJournal:
+        recorder = self._recorder
+        model = self.model
+        run_info = {
+            "model": model.name,
+            "framework": f"keras {keras.__version__} / tensorflow {tf.__version__}",
+            "layers": recorder.tapped_layers,
+            "optimizer": type(model.optimizer).__name__,
+            "jit_compile": bool(getattr(model, "jit_compile", False)),
+            "steps_per_execution": recorder.capacity,
+            "replicas": model.distribute_strategy.num_replicas_in_sync,
+            "on_nonfinite": self.on_nonfinite,
+        }
+        return RunJournal(
+            self.log_dir,
+            recorder.schema,
+            run_info,
+            window=self.window,
+            snapshot_every=self.snapshot_every,
+            max_consecutive_skips=self.max_consecutive_skips,
+            flush_secs=self.flush_secs,
+            explosion=diagnosis.ExplosionDetector(factor=self.explosion_factor),
+            writer=RunWriter(self.log_dir),
+        )
+
+    def _on_incident(self, incident: dict) -> None:
+        self.incident = incident
+        try:
+            self._save_bundle(incident)
+        except Exception as error:  # noqa: BLE001
+            warnings.warn(f"NanWatch could not save the reproduction bundle: {error!r}")
+        print(f"NanWatch: {describe_incident(incident)}", file=sys.stderr)
+        if self.on_nonfinite == "stop":
+            self._protect_siblings(incident)
+            self.model.stop_training = True
+        elif self.on_nonfinite == "raise":
+            self._restore_model()
+            if self.journal is not None:
+                self.journal.close("raised")
+            raise NonFiniteError(incident)
+
+    def _save_bundle(self, incident: dict) -> None:
+        weights, batch, structure = self._recorder.pre_step_state()
+        last_step = self._step - 1
+        names = [v.path for v in self.model.trainable_weights]
+        exact = last_step == incident["step"]
+        info = {
+            "weights_before_step": last_step if weights else None,
+            "batch_of_step": last_step,
+            "exact": exact,
+            "pre_step_weights": self.pre_step_weights,
+            "incident": incident,
+        }
+        if self.pre_step_weights == "on_suspect" and incident["phase"] == "update":
+            weights, info["weights_before_step"] = [], None
+        relative = bundle.save_bundle(
+            self.log_dir, incident["step"], dict(zip(names, weights)), batch, structure, info
+        )
+        self.journal.set_repro_bundle(relative)
+
+    def _protect_siblings(self, incident: dict) -> None:
+        """Keeps BackupAndRestore's last good backup when we stop training.
+
+        Stopping runs ``on_epoch_end`` (which would save the non-finite
+        weights over the backup) and ``on_train_end`` (which deletes it).
+        """
+        for callback in self._siblings:
+            if isinstance(callback, keras.callbacks.BackupAndRestore):
+                callback.delete_checkpoint = False
+                callback._save_model = lambda: None
+                logger.warning(
+                    "NanWatch kept BackupAndRestore's backup in %s (from before step %d)",
+                    callback.backup_dir,
+                    incident["step"],
+                )
+
+    # -- failure handling --------------------------------------------------------
+
+    def _disable(self, reason: str) -> None:
+        if not self._disabled:
+            warnings.warn(f"NanWatch stopped watching: {reason}", RuntimeWarning, stacklevel=2)
+        self._disabled = True
+        self._restore_model()
+
+    def _restore_model(self) -> None:
+        model = self.model
+        if model is not None and "train_step" in model.__dict__:
+            del model.__dict__["train_step"]
+            model.make_train_function(force=True)
+        if self._recorder is not None:
+            self._recorder.uninstall()
+
+
+def _sibling_callbacks(callback: keras.callbacks.Callback) -> list:
+    """The other callbacks of the running fit (found on the call stack)."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        callbacks = getattr(owner, "callbacks", None)
+        if isinstance(callbacks, list) and any(c is callback for c in callbacks):
+            return [c for c in callbacks if c is not callback]
+        frame = frame.f_back
+    return []

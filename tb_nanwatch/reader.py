@@ -1,0 +1,486 @@
+"""Reads NaN Watch runs through a TensorBoard ``DataProvider``.
+
+Works the same on the Python loader (``MultiplexerDataProvider``) and on the
+Rust data server (``GrpcDataProvider``), and imports no TensorFlow. Every
+NaN Watch tag is read by its *latest* value only (the one value TensorBoard's
+ingestion sampling always keeps), see :mod:`tb_nanwatch.metadata`.
+
+Unreadable runs (bad plugin content, a newer format version, malformed JSON or
+arrays) are skipped with one ``logging.warning`` line per run and reason; the
+functions here return ``None`` or leave the run out, and never raise for bad
+data.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Mapping
+
+import numpy as np
+from tensorboard.data import provider
+
+from tb_nanwatch import metadata
+from tb_nanwatch.schema import Schema
+
+logger = logging.getLogger(__name__)
+
+# Large enough to return every stored value of a tag: TensorBoard keeps at most
+# a few hundred values per tag unless told otherwise, and we want them all.
+DOWNSAMPLE = 1_000_000
+
+_EXPECTED_KIND = {
+    metadata.TAG_RUN: metadata.KIND_RUN,
+    metadata.TAG_INCIDENT: metadata.KIND_INCIDENT,
+    metadata.TAG_FLIGHT: metadata.KIND_FLIGHT,
+}
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+class UnreadableError(ValueError):
+    """Raised internally for data that cannot be decoded."""
+
+
+def _warn_once(run: str, reason: str) -> None:
+    key = (run, reason)
+    with _warned_lock:
+        if key in _warned:
+            return
+        if len(_warned) > 10_000:
+            _warned.clear()
+        _warned.add(key)
+    logger.warning("nanwatch: skipping run %r: %s", run, reason)
+
+
+def _tag_kind(tag: str) -> str | None:
+    """The kind a NaN Watch tag must have, or None for a tag we do not know."""
+    if tag in _EXPECTED_KIND:
+        return _EXPECTED_KIND[tag]
+    if tag.startswith(metadata.TAG_SERIES_PREFIX):
+        return metadata.KIND_SERIES
+    if tag.startswith(metadata.TAG_LAYERS_PREFIX):
+        return metadata.KIND_LAYERS
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunListing:
+    """The NaN Watch tags of one run, with their ``TensorTimeSeries``."""
+
+    run: str
+    tags: Mapping[str, provider.TensorTimeSeries]
+
+    def series_tags(self) -> list[str]:
+        return sorted(t for t in self.tags if t.startswith(metadata.TAG_SERIES_PREFIX))
+
+    def snapshot_steps(self) -> list[int]:
+        """Steps that have a per-layer snapshot tag."""
+        steps = []
+        for tag in self.tags:
+            if tag.startswith(metadata.TAG_LAYERS_PREFIX):
+                suffix = tag[len(metadata.TAG_LAYERS_PREFIX) :]
+                if suffix.isdigit():
+                    steps.append(int(suffix))
+        return sorted(steps)
+
+    def fingerprint(self, tags: list[str]) -> tuple:
+        """Changes whenever one of ``tags`` gets a new value."""
+        return tuple(
+            (t, self.tags[t].max_step, self.tags[t].max_wall_time) for t in tags
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Series:
+    """The compact per-step series of a run: one row per recorded step."""
+
+    steps: np.ndarray  # int64 [n], strictly increasing
+    columns: dict[str, np.ndarray]  # float32 [n] each
+
+    def __len__(self) -> int:
+        return int(self.steps.shape[0])
+
+    def index_of(self, step: int) -> int | None:
+        i = int(np.searchsorted(self.steps, step))
+        if i < len(self) and int(self.steps[i]) == step:
+            return i
+        return None
+
+    def value(self, column: str, step: int) -> float | None:
+        i = self.index_of(step)
+        if i is None or column not in self.columns:
+            return None
+        return float(self.columns[column][i])
+
+
+@dataclasses.dataclass(frozen=True)
+class Flight:
+    """The flight-recorder window: full stats vectors of consecutive steps."""
+
+    first_step: int
+    matrix: np.ndarray  # float32 [W, schema.size]
+    schema: Schema
+
+    @property
+    def steps(self) -> list[int]:
+        return list(range(self.first_step, self.first_step + self.matrix.shape[0]))
+
+    def vector(self, step: int) -> np.ndarray | None:
+        i = step - self.first_step
+        if 0 <= i < self.matrix.shape[0]:
+            return self.matrix[i]
+        return None
+
+
+# -- decoding ---------------------------------------------------------------
+
+
+def _latest(data: list[provider.TensorDatum]) -> provider.TensorDatum | None:
+    """The last datum: both providers always keep and return the latest last."""
+    return data[-1] if data else None
+
+
+def decode_json(value: np.ndarray | bytes | str) -> object:
+    """Decodes a string tensor (numpy bytes/object array) holding JSON."""
+    if isinstance(value, np.ndarray):
+        if value.size != 1:
+            raise UnreadableError(
+                f"expected a scalar string tensor, got shape {value.shape}"
+            )
+        value = value.reshape(()).item()
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise UnreadableError(f"string tensor is not UTF-8: {error}") from None
+    if not isinstance(value, str):
+        raise UnreadableError(f"expected a string tensor, got {type(value).__name__}")
+    try:
+        return json.loads(value)  # accepts NaN / Infinity tokens
+    except json.JSONDecodeError as error:
+        raise UnreadableError(f"malformed JSON: {error}") from None
+
+
+def decode_array(value: np.ndarray, ndim: int, width: int | None = None) -> np.ndarray:
+    """A float32 array of the given rank (and last dimension), or raises."""
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "fiu":
+        raise UnreadableError("expected a numeric tensor")
+    if value.ndim != ndim:
+        raise UnreadableError(f"expected rank {ndim}, got shape {value.shape}")
+    if width is not None and value.shape[-1] != width:
+        raise UnreadableError(
+            f"expected last dimension {width}, got shape {value.shape}"
+        )
+    return value.astype(np.float32, copy=False)
+
+
+def parse_summary(raw: object) -> tuple[dict, Schema]:
+    """Validates a decoded run summary; returns it with its schema."""
+    if not isinstance(raw, dict):
+        raise UnreadableError("run summary is not a JSON object")
+    version = raw.get("format_version", metadata.FORMAT_VERSION)
+    if not isinstance(version, int) or version > metadata.FORMAT_VERSION:
+        raise UnreadableError(f"unsupported format version {version!r}")
+    try:
+        schema = Schema.from_json(raw["schema"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise UnreadableError(f"malformed schema: {error!r}") from None
+    columns = raw.get("series_columns")
+    if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
+        raise UnreadableError("series_columns missing or malformed")
+    if not isinstance(raw.get("steps"), int) or raw["steps"] < 0:
+        raise UnreadableError("steps missing or not a non-negative integer")
+    for key in ("first_nonfinite", "explosion"):
+        if not isinstance(raw.get(key), (dict, type(None))):
+            raise UnreadableError(f"{key} is neither an object nor null")
+    ranges = raw.get("skipped_ranges", [])
+    if not isinstance(ranges, list) or not all(
+        isinstance(r, list)
+        and len(r) == 2
+        and all(isinstance(x, int) for x in r)
+        and 0 <= r[0] <= r[1]
+        for r in ranges
+    ):
+        raise UnreadableError("skipped_ranges malformed")
+    return raw, schema
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A readable NaN Watch run: its tags, latest summary and schema."""
+
+    listing: RunListing
+    summary: dict
+    schema: Schema
+
+    @property
+    def name(self) -> str:
+        return self.listing.run
+
+    def skipped_steps(self) -> list[int]:
+        """Skipped steps, expanded from the summary's ``skipped_ranges``."""
+        steps: list[int] = []
+        for first, last in self.summary.get("skipped_ranges", []):
+            steps.extend(range(first, last + 1))
+        return steps
+
+    def skipped_count(self) -> int:
+        return sum(
+            last - first + 1 for first, last in self.summary.get("skipped_ranges", [])
+        )
+
+
+# -- provider access --------------------------------------------------------
+
+
+def _read(
+    data_provider: provider.DataProvider,
+    ctx,
+    experiment_id: str,
+    runs: list[str] | None,
+    tags: list[str] | None,
+) -> dict[str, dict[str, list[provider.TensorDatum]]]:
+    return data_provider.read_tensors(
+        ctx,
+        experiment_id=experiment_id,
+        plugin_name=metadata.PLUGIN_NAME,
+        downsample=DOWNSAMPLE,
+        run_tag_filter=provider.RunTagFilter(runs=runs, tags=tags),
+    )
+
+
+def list_runs(
+    data_provider: provider.DataProvider,
+    ctx,
+    experiment_id: str,
+    runs: list[str] | None = None,
+) -> dict[str, RunListing]:
+    """Readable NaN Watch runs (those with a run summary tag), by run name."""
+    mapping = data_provider.list_tensors(
+        ctx,
+        experiment_id=experiment_id,
+        plugin_name=metadata.PLUGIN_NAME,
+        run_tag_filter=provider.RunTagFilter(runs=runs) if runs is not None else None,
+    )
+    result = {}
+    for run, tag_map in mapping.items():
+        tags = {}
+        problem = None
+        for tag, series in tag_map.items():
+            expected = _tag_kind(tag)
+            if expected is None:
+                continue  # a tag from a later version we can ignore
+            try:
+                parsed = metadata.parse_plugin_content(series.plugin_content or b"")
+            except ValueError as error:
+                problem = f"tag {tag!r}: {error}"
+                break
+            if parsed["kind"] != expected:
+                problem = (
+                    f"tag {tag!r} has kind {parsed['kind']!r}, expected {expected!r}"
+                )
+                break
+            tags[tag] = series
+        if problem is not None:
+            _warn_once(run, problem)
+            continue
+        if metadata.TAG_RUN in tags:
+            result[run] = RunListing(run, tags)
+    return result
+
+
+def load_runs(
+    data_provider: provider.DataProvider,
+    ctx,
+    experiment_id: str,
+    runs: list[str] | None = None,
+) -> dict[str, Run]:
+    """Readable NaN Watch runs with their latest summary, sorted by name."""
+    listings = list_runs(data_provider, ctx, experiment_id, runs=runs)
+    if not listings:
+        return {}
+    data = _read(
+        data_provider, ctx, experiment_id, sorted(listings), [metadata.TAG_RUN]
+    )
+    result = {}
+    for name in sorted(listings):
+        datum = _latest(data.get(name, {}).get(metadata.TAG_RUN, []))
+        if datum is None:
+            continue
+        try:
+            summary, schema = parse_summary(decode_json(datum.numpy))
+        except UnreadableError as error:
+            _warn_once(name, f"run summary: {error}")
+            continue
+        result[name] = Run(listings[name], summary, schema)
+    return result
+
+
+def load_run(
+    data_provider: provider.DataProvider, ctx, experiment_id: str, run: str
+) -> Run | None:
+    """One readable run with its latest summary, or None."""
+    return load_runs(data_provider, ctx, experiment_id, runs=[run]).get(run)
+
+
+def _assemble_series(
+    chunks: list[tuple[int, np.ndarray]], columns: list[str]
+) -> Series:
+    """Concatenates (first step, rows) chunks; later chunks win on overlap."""
+    if not chunks:
+        empty = np.zeros(0, np.float32)
+        return Series(np.zeros(0, np.int64), {c: empty for c in columns})
+    chunks.sort(key=lambda c: c[0])
+    steps = np.concatenate(
+        [start + np.arange(rows.shape[0], dtype=np.int64) for start, rows in chunks]
+    )
+    table = np.concatenate([rows for _, rows in chunks])
+    if len(steps) > 1 and not np.all(np.diff(steps) > 0):
+        # Overlapping chunks: keep the last occurrence of every step.
+        rev_unique, rev_index = np.unique(steps[::-1], return_index=True)
+        keep = len(steps) - 1 - rev_index
+        steps, table = rev_unique, table[keep]
+    return Series(steps, {name: table[:, i] for i, name in enumerate(columns)})
+
+
+class SeriesCache:
+    """Parsed series per (experiment, run), valid while the tags are unchanged."""
+
+    def __init__(self, max_runs: int = 16) -> None:
+        self._max_runs = max_runs
+        self._entries: collections.OrderedDict[tuple, tuple[tuple, Series]] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, fingerprint: tuple) -> Series | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry[0] != fingerprint:
+                return None
+            self._entries.move_to_end(key)
+            return entry[1]
+
+    def put(self, key: tuple, fingerprint: tuple, series: Series) -> None:
+        with self._lock:
+            self._entries[key] = (fingerprint, series)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self._max_runs:
+                self._entries.popitem(last=False)
+
+
+def load_series(
+    data_provider: provider.DataProvider,
+    ctx,
+    experiment_id: str,
+    run_data: Run,
+    cache: SeriesCache | None = None,
+) -> Series | None:
+    """All series chunks of a run, concatenated into per-step columns.
+
+    Each chunk tag's latest value holds consecutive steps from its step.
+    """
+    run = run_data.name
+    columns = run_data.summary["series_columns"]
+    tags = run_data.listing.series_tags()
+    fingerprint = (tuple(columns), run_data.listing.fingerprint(tags))
+    key = (experiment_id, run)
+    if cache is not None:
+        cached = cache.get(key, fingerprint)
+        if cached is not None:
+            return cached
+    data = _read(data_provider, ctx, experiment_id, [run], tags) if tags else {}
+    chunks = []
+    try:
+        for tag in tags:
+            datum = _latest(data.get(run, {}).get(tag, []))
+            if datum is None:
+                continue
+            chunks.append((int(datum.step), decode_array(datum.numpy, 2, len(columns))))
+    except UnreadableError as error:
+        _warn_once(run, f"series: {error}")
+        return None
+    series = _assemble_series(chunks, columns)
+    if cache is not None:
+        cache.put(key, fingerprint, series)
+    return series
+
+
+def _load_latest(
+    data_provider: provider.DataProvider,
+    ctx,
+    experiment_id: str,
+    listing: RunListing,
+    tag: str,
+) -> provider.TensorDatum | None:
+    if tag not in listing.tags:
+        return None
+    data = _read(data_provider, ctx, experiment_id, [listing.run], [tag])
+    return _latest(data.get(listing.run, {}).get(tag, []))
+
+
+def load_incident(
+    data_provider: provider.DataProvider, ctx, experiment_id: str, run_data: Run
+) -> dict | None:
+    """The incident written when the first non-finite step was detected."""
+    listing = run_data.listing
+    datum = _load_latest(
+        data_provider, ctx, experiment_id, listing, metadata.TAG_INCIDENT
+    )
+    if datum is None:
+        return None
+    try:
+        incident = decode_json(datum.numpy)
+    except UnreadableError as error:
+        _warn_once(listing.run, f"incident: {error}")
+        return None
+    if not isinstance(incident, dict):
+        _warn_once(listing.run, "incident is not a JSON object")
+        return None
+    return incident
+
+
+def load_flight(
+    data_provider: provider.DataProvider,
+    ctx,
+    experiment_id: str,
+    run_data: Run,
+) -> Flight | None:
+    """The flight-recorder window (consecutive steps from the datum's step)."""
+    listing, schema = run_data.listing, run_data.schema
+    datum = _load_latest(
+        data_provider, ctx, experiment_id, listing, metadata.TAG_FLIGHT
+    )
+    if datum is None:
+        return None
+    try:
+        matrix = decode_array(datum.numpy, 2, schema.size)
+    except UnreadableError as error:
+        _warn_once(listing.run, f"flight window: {error}")
+        return None
+    return Flight(int(datum.step), matrix, schema)
+
+
+def load_layers(
+    data_provider: provider.DataProvider,
+    ctx,
+    experiment_id: str,
+    run_data: Run,
+    step: int,
+) -> np.ndarray | None:
+    """The per-layer stats vector snapshot of ``step``, or None."""
+    listing, schema = run_data.listing, run_data.schema
+    tag = metadata.layers_tag(step)
+    datum = _load_latest(data_provider, ctx, experiment_id, listing, tag)
+    if datum is None:
+        return None
+    try:
+        return decode_array(datum.numpy, 1, schema.size)
+    except UnreadableError as error:
+        _warn_once(listing.run, f"snapshot {step}: {error}")
+        return None

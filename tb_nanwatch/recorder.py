@@ -1,0 +1,374 @@
+"""The in-graph half of NanWatch: one train step, instrumented.
+
+:class:`StepRecorder` computes the statistics of every phase inside the
+compiled step and writes them into a small on-device ring buffer (one row per
+step, ``steps_per_execution`` rows). The host reads the buffer once per
+execution: one device-to-host transfer, however many steps ran.
+
+It also keeps, on the device, the batch of the current step and (by default)
+a copy of the trainable weights as they were *before* the update, so that a
+reproduction bundle can hold the exact state that produced the incident.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tb_nanwatch import step_stats
+from tb_nanwatch.schema import Schema
+from tb_nanwatch.taps import LayerTaps, StepTrace
+
+# Sequence numbers are stored in float32: keep them exactly representable.
+SEQ_MODULO = 1 << 23
+
+PRE_STEP_WEIGHTS = ("every_step", "on_suspect", "off")
+
+
+def _names(value: Any, prefix: str, preferred: list[str] | None = None) -> list[tuple[str, tf.Tensor]]:
+    """Flattens inputs or targets into (name, tensor) pairs."""
+    if isinstance(value, dict):
+        return [(f"{prefix}{k}", value[k]) for k in sorted(value) if value[k] is not None]
+    flat = [t for t in tf.nest.flatten(value) if t is not None]
+    if preferred and len(preferred) == len(flat):
+        return [(f"{prefix}{n}", t) for n, t in zip(preferred, flat)]
+    if len(flat) == 1:
+        return [(prefix.rstrip("/:") or "input", flat[0])]
+    return [(f"{prefix}{i}", t) for i, t in enumerate(flat)]
+
+
+def variable_owners(model: keras.Model, taps: LayerTaps) -> dict[int, str]:
+    """Maps ``id(variable)`` to the path of the watched layer that owns it."""
+    owners: dict[int, str] = {}
+    for layer, path in taps._layers:
+        for v in getattr(layer, "_trainable_variables", []):
+            owners.setdefault(id(v), path)
+    return owners
+
+
+class StepRecorder:
+    """Instruments the train step of ``model`` and buffers its statistics."""
+
+    def __init__(
+        self,
+        model: keras.Model,
+        steps_per_execution: int = 1,
+        pre_step_weights: str = "every_step",
+    ) -> None:
+        if pre_step_weights not in PRE_STEP_WEIGHTS:
+            raise ValueError(
+                f"pre_step_weights must be one of {PRE_STEP_WEIGHTS}, got {pre_step_weights!r}"
+            )
+        self.model = model
+        self.capacity = max(int(steps_per_execution), 1)
+        self.pre_step_weights = pre_step_weights
+        self.taps = LayerTaps(model)
+        self.schema: Schema | None = None
+        self._lock = threading.Lock()
+        self._buffer: tf.Variable | None = None
+        self._counter: tf.Variable | None = None
+        self._batch_vars: list[tf.Variable] | None = None
+        self._batch_structure: Any = None
+        self._shadows: list[tf.Variable] | None = None
+        self._last_seq = 0
+        self.tapped_layers = [path for _, path in self.taps._layers]
+
+    # -- setup -------------------------------------------------------------
+
+    def install(self) -> None:
+        self.taps.install()
+        if self.pre_step_weights != "off" and self._shadows is None:
+            with self.model.distribute_strategy.scope():
+                self._shadows = [
+                    tf.Variable(
+                        tf.zeros(v.shape, v.dtype),
+                        trainable=False,
+                        name="nanwatch_pre_step",
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                    )
+                    for v in self.model.trainable_weights
+                ]
+
+    def uninstall(self) -> None:
+        self.taps.uninstall()
+
+    def _ensure_buffers(self, size: int, batch: list[tf.Tensor]) -> None:
+        """Creates the ring buffer and batch stash on first trace (eagerly)."""
+        with self._lock:
+            if self._buffer is not None:
+                if self._buffer.shape[1] != size + 1:
+                    raise RuntimeError(
+                        "the watched model changed its structure between traces; "
+                        "create a new NanWatch for the new model"
+                    )
+                return
+            with tf.init_scope():
+                self._buffer = tf.Variable(
+                    tf.zeros([self.capacity, size + 1], tf.float32),
+                    trainable=False,
+                    name="nanwatch_buffer",
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )
+                self._counter = tf.Variable(
+                    tf.constant(0, tf.int64),
+                    trainable=False,
+                    name="nanwatch_counter",
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )
+                self._batch_vars = [
+                    tf.Variable(
+                        tf.zeros([0] * len(t.shape), t.dtype),
+                        shape=tf.TensorShape(None),
+                        trainable=False,
+                        name="nanwatch_batch",
+                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                    )
+                    for t in batch
+                ]
+
+    # -- the instrumented Keras train step ----------------------------------
+
+    def keras_train_step(self, data):
+        """A drop-in for ``keras.Model.train_step`` (TensorFlow backend)."""
+        from keras.src.losses import loss as loss_module
+        from keras.src.trainers.data_adapters import data_adapter_utils
+
+        model = self.model
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            with self.taps.recording(tape) as trace:
+                if model._call_has_training_arg:
+                    y_pred = model(x, training=True)
+                else:
+                    y_pred = model(x)
+                self.taps.install_loss_taps(y, y_pred)
+                loss = model._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                )
+            model._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0],
+            )
+            scaled_loss = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
+        weights = model.trainable_weights
+        if weights:
+            sources = list(weights) + self.watched_tensors(trace)
+            all_grads = tape.gradient(scaled_loss, sources)
+            grads = all_grads[: len(weights)]
+        else:
+            all_grads, grads = [], []
+        builder = self.before_update(
+            trace, x, y, y_pred, loss, weights, all_grads, model.optimizer, data, model
+        )
+        if weights:
+            model.optimizer.apply_gradients(zip(grads, weights))
+        self.after_update(builder, weights, model)
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    @staticmethod
+    def watched_tensors(trace: StepTrace) -> list[tf.Tensor]:
+        out = []
+        for call in trace.calls:
+            out.extend(call.outputs)
+            out.extend(call.inputs)
+        return out
+
+    # -- statistics ------------------------------------------------------------
+
+    def before_update(
+        self,
+        trace: StepTrace,
+        x,
+        y,
+        y_pred,
+        loss,
+        weights: list,
+        all_grads: list,
+        optimizer,
+        data,
+        model: keras.Model,
+    ) -> step_stats.StatsBuilder:
+        """Adds header, input, forward, loss and backward entries; stashes state."""
+        grads = list(all_grads[: len(weights)])
+        watched = list(all_grads[len(weights) :])
+        builder = step_stats.StatsBuilder()
+        is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        scale = tf.cast(optimizer.dynamic_scale, tf.float32) if is_lso else tf.constant(1.0)
+        grad_fields = [step_stats.gradient_fields([g]) for g in grads]
+        grad_sumsq = tf.add_n([f["norm"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
+        grad_bad = (
+            tf.add_n([f["nan"] + f["inf"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
+        )
+        skipped = tf.cast(grad_bad > 0, tf.float32) if is_lso else tf.constant(0.0)
+        lr = optimizer.learning_rate if optimizer is not None else 0.0
+        iterations = optimizer.iterations if optimizer is not None else 0
+        builder.add(
+            "header",
+            "header",
+            None,
+            "step header",
+            {
+                "loss": tf.cast(loss, tf.float32),
+                "grad_norm": grad_sumsq / (scale * scale),
+                "lr": tf.cast(lr, tf.float32),
+                "loss_scale": scale if is_lso else tf.constant(0.0),
+                "skipped": skipped,
+                "iterations": tf.cast(iterations, tf.float32),
+            },
+        )
+        input_names = [getattr(t, "name", None) for t in getattr(model, "inputs", None) or []]
+        input_names = [n.split(":")[0] for n in input_names if n]
+        for name, t in _names(x, "", input_names):
+            builder.add("input", "input", name, f"model input {name}", step_stats.tensor_fields([t]))
+        if y is not None:
+            for name, t in _names(y, "target/"):
+                if name == "target" or name.startswith("target"):
+                    builder.add(
+                        "input", "input", name, f"target {name}", step_stats.tensor_fields([t])
+                    )
+        for call in trace.calls:
+            builder.add(
+                "forward",
+                "activation",
+                call.path,
+                f"output of {call.path}",
+                step_stats.tensor_fields(call.outputs),
+            )
+        output_names = list(getattr(model, "output_names", None) or [])
+        flat_pred = [t for t in tf.nest.flatten(y_pred) if t is not None]
+        if len(output_names) != len(flat_pred):
+            output_names = [f"output_{i}" for i in range(len(flat_pred))]
+        for name, t in zip(output_names, flat_pred):
+            logits = getattr(t, "_keras_logits", None)
+            what = "logits (before the final activation)" if logits is not None else "output"
+            builder.add(
+                "forward",
+                "logits",
+                name,
+                f"{what} of model output {name}",
+                step_stats.tensor_fields([logits if logits is not None else t]),
+            )
+        for name, value in trace.losses:
+            builder.add("loss", "loss", name, f"loss of output {name}", _loss_fields(value))
+        builder.add("loss", "loss", None, "total loss", _loss_fields(loss))
+
+        owners = variable_owners(model, self.taps)
+        grads_by_owner: dict[str | None, list[tuple[Any, dict]]] = {}
+        for v, fields in zip(weights, grad_fields):
+            grads_by_owner.setdefault(owners.get(id(v)), []).append((v, fields))
+        position = 0
+        slots = []
+        for call in trace.calls:
+            n_out, n_in = len(call.outputs), len(call.inputs)
+            slots.append((call, watched[position : position + n_out], watched[position + n_out : position + n_out + n_in]))
+            position += n_out + n_in
+        for call, out_grads, in_grads in reversed(slots):
+            builder.add(
+                "backward",
+                "grad_out",
+                call.path,
+                f"gradient w.r.t. output of {call.path}",
+                step_stats.gradient_fields(out_grads),
+            )
+            if "#" not in call.path:
+                for v, fields in grads_by_owner.pop(call.path, []):
+                    builder.add("backward", "grad_var", call.path, f"gradient of {v.path}", fields)
+            builder.add(
+                "backward",
+                "grad_in",
+                call.path,
+                f"gradient w.r.t. input of {call.path}",
+                step_stats.gradient_fields(in_grads),
+            )
+        for owner, items in grads_by_owner.items():
+            for v, fields in items:
+                builder.add("backward", "grad_var", owner, f"gradient of {v.path}", fields)
+
+        self._stash(builder, data, weights)
+        return builder
+
+    def _stash(self, builder: step_stats.StatsBuilder, data, weights: list) -> None:
+        flat_batch = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
+        self._batch_structure = tf.nest.map_structure(
+            lambda t: None if t is None else 0, data
+        )
+        # The buffer's width is known only now; create it before any use.
+        self._ensure_buffers(_schema_size_after_update(builder, weights), flat_batch)
+        for var, t in zip(self._batch_vars, flat_batch):
+            var.assign(t)
+        if self._shadows is None:
+            return
+
+        def copy():
+            for shadow, v in zip(self._shadows, weights):
+                shadow.assign(v)
+            return tf.constant(True)
+
+        if self.pre_step_weights == "every_step":
+            copy()
+        else:
+            counts = [
+                builder._partials["sum"][i] for i in range(len(builder._partials["sum"]))
+            ]
+            suspect = tf.add_n(counts) > 0 if counts else tf.constant(False)
+            tf.cond(suspect, copy, lambda: tf.constant(False))
+
+    def after_update(self, builder: step_stats.StatsBuilder, weights: list, model) -> None:
+        """Adds the update entries and writes the step's row into the buffer."""
+        owners = variable_owners(model, self.taps)
+        for v in weights:
+            value = tf.convert_to_tensor(v)
+            builder.add(
+                "update",
+                "weights",
+                owners.get(id(v)),
+                f"{v.path} after the update",
+                {"nan": step_stats.count_nan(value), "inf": step_stats.count_inf(value)},
+            )
+        vector = builder.vector()
+        if self.schema is None:
+            self.schema = builder.schema
+        count = self._counter.assign_add(1)
+        slot = tf.cast((count - 1) % self.capacity, tf.int32)
+        seq = tf.cast(count % SEQ_MODULO, tf.float32)
+        row = tf.concat([tf.reshape(seq, [1]), vector], 0)
+        self._buffer.scatter_nd_update(tf.reshape(slot, [1, 1]), tf.reshape(row, [1, -1]))
+
+    # -- host side ---------------------------------------------------------------
+
+    def fetch(self) -> list[np.ndarray]:
+        """The rows written since the last fetch, oldest first (one transfer)."""
+        if self._buffer is None:
+            return []
+        rows = self._buffer.numpy()
+        seqs = rows[:, 0].astype(np.int64)
+        ahead = (seqs - self._last_seq) % SEQ_MODULO
+        fresh = [(a, i) for i, a in enumerate(ahead) if 0 < a <= self.capacity]
+        fresh.sort()
+        if fresh:
+            self._last_seq = int(seqs[fresh[-1][1]])
+        return [rows[i, 1:] for _, i in fresh]
+
+    def pre_step_state(self) -> tuple[list[np.ndarray], list[np.ndarray], Any]:
+        """(weights before the last step or [], flat batch, batch structure)."""
+        weights = [v.numpy() for v in self._shadows] if self._shadows else []
+        batch = [v.numpy() for v in self._batch_vars] if self._batch_vars else []
+        return weights, batch, self._batch_structure
+
+
+def _loss_fields(value) -> dict:
+    value = tf.cast(tf.reduce_mean(value), tf.float32)
+    return {
+        "nan": tf.cast(tf.math.is_nan(value), tf.float32),
+        "inf": tf.cast(tf.math.is_inf(value), tf.float32),
+        "value": value,
+    }
+
+
+def _schema_size_after_update(builder: step_stats.StatsBuilder, weights: list) -> int:
+    # Each variable adds one "weights" entry (nan, inf) after the update.
+    return builder.schema.size + 2 * len(weights)

@@ -1,0 +1,197 @@
+"""Taps on layer outputs: which layers are watched, under which path names.
+
+A tap replaces ``layer.call`` on the instance by a wrapper that, while a step
+is being traced, remembers the layer's inputs and outputs and asks the active
+``GradientTape`` to watch them, so the step can ask for the gradient with
+respect to each layer's output and input in the same backward pass. Outside a
+traced step the wrapper only forwards the call: the model's math is untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Iterator
+
+import keras
+import tensorflow as tf
+
+
+@dataclasses.dataclass
+class LayerCall:
+    """One traced call of a watched layer."""
+
+    path: str
+    inputs: list[tf.Tensor]
+    outputs: list[tf.Tensor]
+
+
+@dataclasses.dataclass
+class StepTrace:
+    """What the taps saw while one replica's step was traced."""
+
+    tape: tf.GradientTape
+    graph: Any
+    calls: list[LayerCall] = dataclasses.field(default_factory=list)
+    losses: list[tuple[str, tf.Tensor]] = dataclasses.field(default_factory=list)
+    call_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _float_tensors(value: Any) -> list[tf.Tensor]:
+    return [
+        t
+        for t in tf.nest.flatten(value)
+        if isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype.is_floating
+    ]
+
+
+def layer_paths(model: keras.Model) -> dict[int, str]:
+    """Maps ``id(layer)`` to a path such as ``backbone/block2_conv``.
+
+    The top model's own name is left out; nested models and layers add one
+    component each. A layer reachable by several paths keeps the first.
+    """
+    paths: dict[int, str] = {}
+
+    def visit(layer: keras.layers.Layer, prefix: str) -> None:
+        for child in layer._flatten_layers(include_self=False, recursive=False):
+            if id(child) in paths or isinstance(child, keras.layers.InputLayer):
+                continue
+            path = f"{prefix}{child.name}"
+            paths[id(child)] = path
+            visit(child, path + "/")
+
+    visit(model, "")
+    return paths
+
+
+def watched_layers(model: keras.Model) -> list[tuple[keras.layers.Layer, str]]:
+    """Every layer whose output is watched, with its path.
+
+    Models nested inside the model are not watched themselves (their output is
+    their last layer's output); every other layer is, composite layers
+    included, because a composite layer may do math of its own after its
+    sublayers (it then completes, and is recorded, after them).
+    """
+    paths = layer_paths(model)
+    layers = []
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, (keras.Model, keras.layers.InputLayer)):
+            continue
+        if id(layer) in paths:
+            layers.append((layer, paths[id(layer)]))
+    return layers
+
+
+class LayerTaps:
+    """Installs and removes the call wrappers; records per traced replica."""
+
+    def __init__(self, model: keras.Model) -> None:
+        self.model = model
+        self._layers = watched_layers(model)
+        self._local = threading.local()
+        self._installed: list[keras.layers.Layer] = []
+        self._original_losses: tuple | None = None
+        self._loss_taps_decided = False
+
+    @property
+    def active(self) -> StepTrace | None:
+        return getattr(self._local, "trace", None)
+
+    def install(self) -> None:
+        for layer, path in self._layers:
+            if "call" in layer.__dict__:
+                continue  # already wrapped by someone else; leave it alone
+            original = layer.call
+            object.__setattr__(layer, "call", self._wrap(original, path))
+            self._installed.append(layer)
+
+    def uninstall(self) -> None:
+        for layer in self._installed:
+            layer.__dict__.pop("call", None)
+        self._installed = []
+        if self._original_losses is not None:
+            compile_loss, flat = self._original_losses
+            compile_loss._flat_losses = flat
+            self._original_losses = None
+        self._loss_taps_decided = False
+
+    def _wrap(self, original, path: str):
+        taps = self
+
+        def call(*args, **kwargs):
+            outputs = original(*args, **kwargs)
+            trace = taps.active
+            # Calls traced into an inner graph (an RNN cell inside a while
+            # loop, a nested tf.function) cannot be used from the step graph.
+            if trace is not None and tf.compat.v1.get_default_graph() is trace.graph:
+                taps._record(trace, path, args, kwargs, outputs)
+            return outputs
+
+        return call
+
+    def _record(self, trace: StepTrace, path: str, args, kwargs, outputs) -> None:
+        first_input = args[0] if args else kwargs.get("inputs")
+        inputs = _float_tensors(first_input)
+        outs = _float_tensors(outputs)
+        if not outs:
+            return
+        count = trace.call_counts.get(path, 0) + 1
+        trace.call_counts[path] = count
+        name = path if count == 1 else f"{path}#{count}"
+        for t in inputs + outs:
+            trace.tape.watch(t)
+        trace.calls.append(LayerCall(name, inputs, outs))
+
+    def install_loss_taps(self, y_true, y_pred) -> None:
+        """Wraps each compiled loss so its value is recorded per output.
+
+        Decided once, at the first trace (the compiled loss is built then), so
+        every trace of the step has the same entries.
+        """
+        if self._loss_taps_decided:
+            return
+        self._loss_taps_decided = True
+        compile_loss = getattr(self.model, "_compile_loss", None)
+        if compile_loss is None:
+            return
+        if not compile_loss.built and y_true is not None:
+            try:
+                compile_loss.build(y_true, y_pred)
+            except Exception:  # noqa: BLE001 - Keras builds it itself later
+                return
+        flat = getattr(compile_loss, "_flat_losses", None)
+        if not flat:
+            return
+        taps = self
+        wrapped = []
+        for index, item in enumerate(flat):
+            name = item.name or f"output_{index}"
+
+            def loss_fn(y_true, y_pred, sample_weight=None, _fn=item.loss, _name=name):
+                value = _fn(y_true, y_pred, sample_weight)
+                trace = taps.active
+                if trace is not None and tf.compat.v1.get_default_graph() is trace.graph:
+                    trace.losses.append((_name, value))
+                return value
+
+            wrapped.append(item._replace(loss=loss_fn))
+        self._original_losses = (compile_loss, flat)
+        compile_loss._flat_losses = wrapped
+
+    def recording(self, tape: tf.GradientTape) -> "_Recording":
+        """Context manager: record the layer calls and losses of this replica."""
+        return _Recording(self, tape)
+
+
+class _Recording:
+    def __init__(self, taps: LayerTaps, tape: tf.GradientTape) -> None:
+        self.taps = taps
+        self.trace = StepTrace(tape=tape, graph=tf.compat.v1.get_default_graph())
+
+    def __enter__(self) -> StepTrace:
+        self.taps._local.trace = self.trace
+        return self.trace
+
+    def __exit__(self, *exc) -> None:
+        self.taps._local.trace = None

@@ -1,0 +1,229 @@
+"""Builds the JSON bodies of the plugin routes from parsed run data.
+
+Pure functions over :mod:`tb_nanwatch.reader` objects, see ``docs/routes.md``.
+Values are plain Python (``.tolist()``/``float()``), so TensorBoard's
+``Respond`` turns NaN/Inf into ``"NaN"``/``"Infinity"`` strings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tb_nanwatch import diagnosis
+from tb_nanwatch.reader import Flight, Run, Series
+from tb_nanwatch.schema import Entry, Schema
+
+# Columns whose most extreme value is the smallest one.
+MIN_COLUMNS = frozenset({"logit_min"})
+
+STEP_ROW_FIELDS = ("nan", "inf", "min", "max", "max_abs", "norm", "value")
+
+
+def _py(value: float) -> float:
+    return float(value)
+
+
+def count_value(value: float) -> int | float:
+    """An element count as an int, or the float itself when it is not one."""
+    value = float(value)
+    if math.isfinite(value) and value == int(value):
+        return int(value)
+    return value
+
+
+def max_abs(low: float, high: float) -> float:
+    """max(|low|, |high|), NaN if either is NaN."""
+    if math.isnan(low) or math.isnan(high):
+        return math.nan
+    return max(abs(low), abs(high))
+
+
+def run_entry(run: Run) -> dict:
+    """One element of the ``runs`` route."""
+    summary = run.summary
+    return {
+        "run": run.name,
+        "steps": int(summary["steps"]),
+        "status": str(summary.get("status", "running")),
+        "first_nonfinite": summary.get("first_nonfinite"),
+        "explosion": summary.get("explosion"),
+        "skipped_count": run.skipped_count(),
+    }
+
+
+def reduce_column(values: np.ndarray, starts: np.ndarray, use_min: bool) -> np.ndarray:
+    """Most extreme value per bucket; any non-finite value wins over finite ones.
+
+    ``starts`` are the row indices where buckets begin (sorted, first is 0).
+    Precedence within a bucket: NaN, then the infinity on the extreme side,
+    then the other infinity, then the finite extreme.
+    """
+    values = values.astype(np.float64, copy=False)
+    has_nan = np.logical_or.reduceat(np.isnan(values), starts)
+    has_pos = np.logical_or.reduceat(values == np.inf, starts)
+    has_neg = np.logical_or.reduceat(values == -np.inf, starts)
+    finite = np.isfinite(values)
+    if use_min:
+        extreme = np.minimum.reduceat(np.where(finite, values, np.inf), starts)
+        first_inf, second_inf = (has_neg, -np.inf), (has_pos, np.inf)
+    else:
+        extreme = np.maximum.reduceat(np.where(finite, values, -np.inf), starts)
+        first_inf, second_inf = (has_pos, np.inf), (has_neg, -np.inf)
+    return np.select(
+        [has_nan, first_inf[0], second_inf[0]],
+        [np.nan, first_inf[1], second_inf[1]],
+        default=extreme,
+    )
+
+
+def timeline(
+    run: Run,
+    series: Series,
+    start: int | None,
+    end: int | None,
+    max_points: int,
+    recorded_steps: list[int],
+) -> dict:
+    """The ``timeline`` route: steps ``[start, end)`` reduced to buckets."""
+    summary = run.summary
+    last = int(series.steps[-1]) + 1 if len(series) else 0
+    start = (int(series.steps[0]) if len(series) else 0) if start is None else start
+    end = max(last, int(summary["steps"])) if end is None else end
+    end = max(end, start)
+    bucket = max(1, -(-(end - start) // max_points))
+    lo, hi = np.searchsorted(series.steps, [start, end])
+    steps = series.steps[lo:hi]
+    columns: dict[str, list] = {}
+    out_steps: list[int] = []
+    if len(steps):
+        bucket_index = (steps - start) // bucket
+        starts = np.flatnonzero(np.r_[True, bucket_index[1:] != bucket_index[:-1]])
+        out_steps = (start + bucket_index[starts] * bucket).tolist()
+        for name, values in series.columns.items():
+            reduced = reduce_column(values[lo:hi], starts, name in MIN_COLUMNS)
+            columns[name] = reduced.tolist()
+    else:
+        columns = {name: [] for name in series.columns}
+    return {
+        "run": run.name,
+        "start": int(start),
+        "end": int(end),
+        "bucket": int(bucket),
+        "steps": out_steps,
+        "columns": columns,
+        "total_steps": int(summary["steps"]),
+        "first_nonfinite": summary.get("first_nonfinite"),
+        "explosion": summary.get("explosion"),
+        "skipped_ranges": summary.get("skipped_ranges", []),
+        "recorded_steps": recorded_steps,
+    }
+
+
+def entry_nonfinite(schema: Schema, vector: np.ndarray, entry: Entry) -> bool:
+    """Non-zero NaN/Inf counts, or a non-finite norm/value field."""
+    values = schema.values(vector, entry)
+    if diagnosis.nonfinite_kind(values["nan"], values["inf"]) is not None:
+        return True
+    return any(
+        not math.isfinite(values[name]) for name in ("norm", "value") if name in values
+    )
+
+
+def step_rows(schema: Schema, vector: np.ndarray) -> list[dict]:
+    """The per-layer table of one step, in diagnosis order (header left out)."""
+    rows = []
+    for entry in schema.entries:
+        if entry.kind == "header":
+            continue
+        values = schema.values(vector, entry)
+        row: dict = {
+            "phase": entry.phase,
+            "kind": entry.kind,
+            "layer": entry.layer,
+            "tensor": entry.tensor,
+        }
+        for name in STEP_ROW_FIELDS:
+            row[name] = None
+        for name, value in values.items():
+            row[name] = count_value(value) if name in ("nan", "inf") else _py(value)
+        if "min" in values and "max" in values:
+            row["max_abs"] = max_abs(values["min"], values["max"])
+        rows.append(row)
+    return rows
+
+
+def heatmap_layers(schema: Schema) -> list[str]:
+    """Layer paths in execution order: forward activations, then the rest."""
+    layers: list[str] = []
+    for entry in schema.entries:
+        if entry.phase == "forward" and entry.kind == "activation" and entry.layer:
+            if entry.layer not in layers:
+                layers.append(entry.layer)
+    for entry in schema.entries:
+        if entry.phase in ("backward", "update") and entry.layer:
+            if entry.layer not in layers:
+                layers.append(entry.layer)
+    return layers
+
+
+def heatmap(flight: Flight, incident: dict | None) -> dict:
+    """Per-layer, per-step view of the flight-recorder window."""
+    schema = flight.schema
+    layers = heatmap_layers(schema)
+    forward: dict[str, list[Entry]] = {name: [] for name in layers}
+    grads: dict[str, list[Entry]] = {name: [] for name in layers}
+    owned: dict[str, list[Entry]] = {name: [] for name in layers}
+    for entry in schema.entries:
+        if entry.layer not in owned or entry.phase in ("header", "input"):
+            continue
+        if entry.kind == "logits":
+            continue  # named by model output, not by layer path
+        owned[entry.layer].append(entry)
+        if entry.kind == "activation":
+            forward[entry.layer].append(entry)
+        elif entry.kind == "grad_out":
+            grads[entry.layer].append(entry)
+    forward_max_abs, grad_norm, nonfinite = [], [], []
+    for name in layers:
+        fwd_row, grad_row, bad_row = [], [], []
+        for vector in flight.matrix:
+            if forward[name]:
+                fwd_row.append(
+                    max(
+                        (max_abs(*_min_max(schema, vector, e)) for e in forward[name]),
+                        key=lambda v: math.inf if math.isnan(v) else v,
+                    )
+                )
+            else:
+                fwd_row.append(None)
+            if grads[name]:
+                grad_row.append(_py(schema.values(vector, grads[name][0])["norm"]))
+            else:
+                grad_row.append(None)
+            bad = any(entry_nonfinite(schema, vector, e) for e in owned[name])
+            bad_row.append(1 if bad else 0)
+        forward_max_abs.append(fwd_row)
+        grad_norm.append(grad_row)
+        nonfinite.append(bad_row)
+    origin = None
+    if incident:
+        origin = {
+            "layer": incident.get("layer"),
+            "step": incident.get("step"),
+            "phase": incident.get("phase"),
+        }
+    return {
+        "steps": flight.steps,
+        "layers": layers,
+        "forward_max_abs": forward_max_abs,
+        "grad_norm": grad_norm,
+        "nonfinite": nonfinite,
+        "origin": origin,
+    }
+
+
+def _min_max(schema: Schema, vector: np.ndarray, entry: Entry) -> tuple[float, float]:
+    values = schema.values(vector, entry)
+    return values["min"], values["max"]
