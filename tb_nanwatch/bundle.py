@@ -66,7 +66,7 @@ def save_bundle(
     relative = posixpath.join(BUNDLE_DIR, f"step_{step:09d}")
     directory = posixpath.join(run_dir, relative)
     gfile.makedirs(directory)
-    arrays = {f"batch/{i}": a for i, a in enumerate(batch)}
+    arrays: dict[str, np.ndarray] = {f"batch/{i}": a for i, a in enumerate(batch) if a is not None}
     arrays.update({f"weights/{name}": a for name, a in weights.items()})
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
@@ -76,6 +76,7 @@ def save_bundle(
         "step": step,
         "batch_structure": _jsonable_structure(batch_structure),
         "batch_size": len(batch),
+        "batch_not_kept": [i for i, a in enumerate(batch) if a is None],
         "weights": list(weights),
         **info,
     }
@@ -133,7 +134,7 @@ def load_bundle(path: str) -> ReproBundle:
         meta = json.loads(f.read())
     with gfile.GFile(posixpath.join(directory, "bundle.npz"), "rb") as f:
         arrays = np.load(io.BytesIO(f.read()))
-        batch = [arrays[f"batch/{i}"] for i in range(meta["batch_size"])]
+        batch = [arrays.get(f"batch/{i}") for i in range(meta["batch_size"])]
         weights = {name: arrays[f"weights/{name}"] for name in meta["weights"]}
     structure = meta.pop("batch_structure")
     return ReproBundle(

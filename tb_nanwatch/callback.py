@@ -201,6 +201,9 @@ class NanWatch(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None) -> None:
         if self._disabled or self._recorder is None:
             return
+        if self._recorder.trace_error is not None:
+            self._disable(f"could not build its statistics: {self._recorder.trace_error!r}")
+            return
         incident = None
         try:
             incident = self._record_new_steps()

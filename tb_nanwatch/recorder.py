@@ -75,6 +75,7 @@ class StepRecorder:
         self._batch_structure: Any = None
         self._shadows: list[tf.Variable] | None = None
         self._last_seq = 0
+        self.trace_error: Exception | None = None
         self.tapped_layers = [path for _, path in self.taps._layers]
 
     # -- setup -------------------------------------------------------------
@@ -119,16 +120,7 @@ class StepRecorder:
                     name="nanwatch_counter",
                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
                 )
-                self._batch_vars = [
-                    tf.Variable(
-                        tf.zeros([0] * len(t.shape), t.dtype),
-                        shape=tf.TensorShape(None),
-                        trainable=False,
-                        name="nanwatch_batch",
-                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-                    )
-                    for t in batch
-                ]
+                self._batch_vars = [_stash_variable(t) for t in batch]
 
     # -- the instrumented Keras train step ----------------------------------
 
@@ -161,12 +153,23 @@ class StepRecorder:
             grads = all_grads[: len(weights)]
         else:
             all_grads, grads = [], []
-        builder = self.before_update(
-            trace, x, y, y_pred, loss, weights, all_grads, model.optimizer, data, model
-        )
+        # A failure in our own statistics must not change or break the step:
+        # it is remembered (the callback warns and stops watching) and the
+        # step goes on exactly as Keras' own would.
+        builder = None
+        try:
+            builder = self.before_update(
+                trace, x, y, y_pred, loss, weights, all_grads, model.optimizer, data, model
+            )
+        except Exception as error:  # noqa: BLE001
+            self.trace_error = error
         if weights:
             model.optimizer.apply_gradients(zip(grads, weights))
-        self.after_update(builder, weights, model)
+        if builder is not None:
+            try:
+                self.after_update(builder, weights, model)
+            except Exception as error:  # noqa: BLE001
+                self.trace_error = error
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     @staticmethod
@@ -197,7 +200,11 @@ class StepRecorder:
         watched = list(all_grads[len(weights) :])
         builder = step_stats.StatsBuilder()
         is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        scale = tf.cast(optimizer.dynamic_scale, tf.float32) if is_lso else tf.constant(1.0)
+        if is_lso:
+            scale = optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale
+            scale = tf.cast(scale, tf.float32)
+        else:
+            scale = tf.constant(1.0)
         grad_fields = [step_stats.gradient_fields([g]) for g in grads]
         grad_sumsq = tf.add_n([f["norm"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
         grad_bad = (
@@ -299,7 +306,7 @@ class StepRecorder:
         # The buffer's width is known only now; create it before any use.
         self._ensure_buffers(_schema_size_after_update(builder, weights), flat_batch)
         for var, t in zip(self._batch_vars, flat_batch):
-            var.assign(t)
+            _stash(var, t)
         if self._shadows is None:
             return
 
@@ -356,8 +363,51 @@ class StepRecorder:
     def pre_step_state(self) -> tuple[list[np.ndarray], list[np.ndarray], Any]:
         """(weights before the last step or [], flat batch, batch structure)."""
         weights = [v.numpy() for v in self._shadows] if self._shadows else []
-        batch = [v.numpy() for v in self._batch_vars] if self._batch_vars else []
+        batch = [_unstash(v) for v in self._batch_vars] if self._batch_vars else []
         return weights, batch, self._batch_structure
+
+
+# The batch of the current step is kept in a fixed-shape variable (XLA cannot
+# assign a new shape to a variable): rows beyond the first traced batch size
+# are not kept; a smaller batch is padded and its length kept in row 0 of a
+# companion counter.
+_DEFAULT_ROWS = 1024
+
+
+def _stash_variable(t: tf.Tensor) -> tuple[tf.Variable, tf.Variable] | None:
+    shape = t.shape
+    if shape.rank is None or not all(d is not None for d in shape[1:]):
+        return None  # dynamic feature dims: not kept
+    rows = shape[0] if shape.rank and shape[0] is not None else _DEFAULT_ROWS
+    full = [rows] + list(shape[1:]) if shape.rank else []
+    keep = dict(trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    return (
+        tf.Variable(tf.zeros(full, t.dtype), name="nanwatch_batch", **keep),
+        tf.Variable(tf.constant(0, tf.int32), name="nanwatch_batch_rows", **keep),
+    )
+
+
+def _stash(slot, t: tf.Tensor) -> None:
+    if slot is None:
+        return
+    var, rows = slot
+    if t.shape.rank == 0:
+        var.assign(t)
+        return
+    capacity = var.shape[0]
+    kept = t[:capacity]
+    n = tf.shape(kept)[0]
+    padding = [[0, capacity - n]] + [[0, 0]] * (t.shape.rank - 1)
+    var.assign(tf.pad(kept, padding))
+    rows.assign(n)
+
+
+def _unstash(slot) -> np.ndarray | None:
+    if slot is None:
+        return None
+    var, rows = slot
+    value = var.numpy()
+    return value if value.ndim == 0 else value[: int(rows.numpy())]
 
 
 def _loss_fields(value) -> dict:

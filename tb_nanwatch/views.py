@@ -156,16 +156,15 @@ def step_rows(schema: Schema, vector: np.ndarray) -> list[dict]:
 
 def heatmap_layers(schema: Schema) -> list[str]:
     """Layer paths in execution order: forward activations, then the rest."""
-    layers: list[str] = []
-    for entry in schema.entries:
-        if entry.phase == "forward" and entry.kind == "activation" and entry.layer:
-            if entry.layer not in layers:
-                layers.append(entry.layer)
-    for entry in schema.entries:
-        if entry.phase in ("backward", "update") and entry.layer:
-            if entry.layer not in layers:
-                layers.append(entry.layer)
-    return layers
+    forward = [
+        e.layer
+        for e in schema.entries
+        if e.phase == "forward" and e.kind == "activation" and e.layer
+    ]
+    rest = [
+        e.layer for e in schema.entries if e.phase in ("backward", "update") and e.layer
+    ]
+    return list(dict.fromkeys(forward + rest))
 
 
 def heatmap(flight: Flight, incident: dict | None) -> dict:

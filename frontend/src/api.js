@@ -1,0 +1,114 @@
+/**
+ * Fetches the plugin's JSON routes (see docs/routes.md).
+ *
+ * URLs are relative: the plugin iframe has `<base href="plugin/nanwatch/">`,
+ * so `fetch("runs")` reaches `data/plugin/nanwatch/runs`, also under
+ * TensorBoard's `--path_prefix`.
+ *
+ * TensorBoard's JSON cleanser turns NaN/±Inf into the strings "NaN",
+ * "Infinity" and "-Infinity"; `revive` turns them back into numbers, except
+ * under keys that hold names (a layer may well be called "NaN").
+ */
+
+const NON_FINITE = { NaN: NaN, Infinity: Infinity, "-Infinity": -Infinity };
+
+/** Keys whose values (and everything below them) are text, never numbers. */
+const TEXT_KEYS = new Set([
+  "run", "layer", "layers", "tensor", "phase", "kind", "title", "text", "id",
+  "signal", "status", "error", "source", "note", "model", "framework",
+]);
+
+/** Error thrown for a non-2xx response; `status` is the HTTP status. */
+export class ApiError extends Error {
+  /**
+   * @param {number} status HTTP status code.
+   * @param {string} message Server's `error` text or the status text.
+   */
+  constructor(status, message) {
+    super(message);
+    this.name = "ApiError";
+    this.status = status;
+  }
+}
+
+/**
+ * Turns "NaN"/"Infinity"/"-Infinity" strings back into numbers, recursively.
+ * @param {*} value Parsed JSON.
+ * @param {boolean} [isText] True below a name-holding key: leave strings alone.
+ * @returns {*} The same structure with non-finite numbers restored.
+ */
+export function revive(value, isText = false) {
+  if (typeof value === "string") {
+    return !isText && Object.prototype.hasOwnProperty.call(NON_FINITE, value) ? NON_FINITE[value] : value;
+  }
+  if (Array.isArray(value)) return value.map((v) => revive(v, isText));
+  if (value && typeof value === "object") {
+    const out = {};
+    for (const [k, v] of Object.entries(value)) out[k] = revive(v, isText || TEXT_KEYS.has(k));
+    return out;
+  }
+  return value;
+}
+
+/**
+ * Builds a relative route URL with query parameters (undefined/null skipped).
+ * @param {string} route Route name, e.g. "timeline".
+ * @param {Object<string, *>} [params] Query parameters.
+ * @returns {string} e.g. "timeline?run=a%2Fb&start=0".
+ */
+export function routeUrl(route, params = {}) {
+  const query = new URLSearchParams();
+  for (const [k, v] of Object.entries(params)) {
+    if (v !== undefined && v !== null) query.set(k, String(v));
+  }
+  const qs = query.toString();
+  return qs ? `${route}?${qs}` : route;
+}
+
+/**
+ * GETs a route and returns its revived JSON body.
+ * @param {string} route Route name (relative URL).
+ * @param {Object<string, *>} [params] Query parameters.
+ * @param {AbortSignal} [signal] Optional abort signal.
+ * @returns {Promise<*>} The revived JSON.
+ * @throws {ApiError} On a non-2xx response.
+ */
+export async function getJson(route, params = {}, signal = undefined) {
+  const response = await fetch(routeUrl(route, params), { signal, headers: { Accept: "application/json" } });
+  let body = null;
+  try {
+    body = await response.json();
+  } catch (_) {
+    body = null;
+  }
+  if (!response.ok) {
+    const message = body && typeof body.error === "string" ? body.error : response.statusText;
+    throw new ApiError(response.status, message || `HTTP ${response.status}`);
+  }
+  return revive(body);
+}
+
+/** @returns {Promise<{runs: Array<Object>}>} The `runs` route. */
+export const fetchRuns = () => getJson("runs");
+
+/**
+ * @param {string} run Run name.
+ * @param {{start?: number, end?: number, maxPoints?: number}} [range] Step range [start, end).
+ * @param {AbortSignal} [signal] Optional abort signal.
+ * @returns {Promise<Object>} The `timeline` route.
+ */
+export const fetchTimeline = (run, range = {}, signal = undefined) =>
+  getJson("timeline", { run, start: range.start, end: range.end, max_points: range.maxPoints }, signal);
+
+/**
+ * @param {string} run Run name.
+ * @returns {Promise<Object>} The `incident` route.
+ */
+export const fetchIncident = (run) => getJson("incident", { run });
+
+/**
+ * @param {string} run Run name.
+ * @param {number} step Step number.
+ * @returns {Promise<Object>} The `step` route (throws ApiError 404 when not recorded).
+ */
+export const fetchStep = (run, step) => getJson("step", { run, step });

@@ -1,0 +1,256 @@
+/**
+ * Layer × step heatmap of the flight-recorder window (`incident` route).
+ *
+ * Rows are layers in execution order, columns are steps. Cells are drawn on a
+ * canvas with a logarithmic colour scale; labels are ordinary text elements.
+ * A cell whose value is NaN/Inf is magenta; a cell whose layer has another
+ * non-finite field at that step gets a magenta corner. The origin cell (where
+ * the first non-finite value was born) is outlined by an element with
+ * `data-origin="true"`, and the container names it in `data-origin-layer` /
+ * `data-origin-step`.
+ */
+import { el, clear } from "./dom.js";
+import { fmt, truncateLeft } from "./format.js";
+
+const MAX_CELL_W = 22;
+const MIN_CELL_W = 6;
+const CELL_H = 16;
+const NONFINITE_COLOR = "#ff00ff";
+const MISSING_COLOR = "#e0e0e0";
+/** Viridis-like stops, low to high. */
+const STOPS = [
+  [68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37],
+];
+const METRICS = [
+  { key: "forward_max_abs", label: "forward max |x|" },
+  { key: "grad_norm", label: "gradient norm" },
+];
+
+/**
+ * Colour for t in [0, 1] on the viridis-like scale.
+ * @param {number} t Position on the scale.
+ * @returns {string} CSS rgb() colour.
+ */
+export function colorAt(t) {
+  const x = Math.min(1, Math.max(0, t)) * (STOPS.length - 1);
+  const i = Math.min(STOPS.length - 2, Math.floor(x));
+  const f = x - i;
+  const c = STOPS[i].map((a, k) => Math.round(a + (STOPS[i + 1][k] - a) * f));
+  return `rgb(${c[0]}, ${c[1]}, ${c[2]})`;
+}
+
+/**
+ * log10 range of the positive finite values of a matrix.
+ * @param {Array<Array<number|null>>} matrix Values per layer per step.
+ * @returns {{lo: number, hi: number}|null} Range of log10 values, null if none.
+ */
+export function logRange(matrix) {
+  let lo = Infinity;
+  let hi = -Infinity;
+  for (const row of matrix || []) {
+    for (const v of row || []) {
+      if (typeof v === "number" && Number.isFinite(v) && v > 0) {
+        const l = Math.log10(v);
+        if (l < lo) lo = l;
+        if (l > hi) hi = l;
+      }
+    }
+  }
+  return Number.isFinite(lo) ? { lo, hi } : null;
+}
+
+/**
+ * Renders the heatmap.
+ * @param {HTMLElement} container Element to render into.
+ * @param {Object|null} heatmap The `heatmap` object of the `incident` route.
+ * @param {{onStepClick?: (step: number) => void}} [opts] Options.
+ * @returns {{setSelectedStep: (step: number|null) => void, setMetric: (key: string) => void}} Controller.
+ */
+export function renderHeatmap(container, heatmap, opts = {}) {
+  clear(container);
+  container.classList.add("heatmap");
+  const noop = { setSelectedStep() {}, setMetric() {} };
+  if (!heatmap || !heatmap.layers || !heatmap.layers.length || !heatmap.steps || !heatmap.steps.length) {
+    container.dataset.state = "empty";
+    container.append(el("p", { class: "muted", text: "No flight-recorder window: the run had no incident." }));
+    return noop;
+  }
+  const { layers, steps, origin } = heatmap;
+  let metric = "forward_max_abs";
+  let selectedStep = null;
+  container.dataset.state = "ready";
+  container.dataset.metric = metric;
+  if (origin) {
+    container.dataset.originStep = String(origin.step);
+    if (origin.layer !== null && origin.layer !== undefined) container.dataset.originLayer = origin.layer;
+  }
+
+  const buttons = METRICS.map((m) =>
+    el("button", {
+      class: "btn metric-btn",
+      text: m.label,
+      data: { metric: m.key },
+      on: { click: () => setMetric(m.key) },
+    }),
+  );
+  const legendLo = el("span", { class: "legend-lo" });
+  const legendHi = el("span", { class: "legend-hi" });
+  const legend = el("span", { class: "heatmap-legend" }, [
+    legendLo,
+    el("span", { class: "legend-bar" }),
+    legendHi,
+    el("span", { class: "swatch swatch-nonfinite" }),
+    " NaN/Inf ",
+    el("span", { class: "swatch swatch-missing" }),
+    " not recorded",
+  ]);
+  container.append(el("div", { class: "heatmap-toolbar" }, [...buttons, legend]));
+
+  const available = (container.clientWidth || 700) - 260; // minus the row labels
+  const cellW = Math.max(MIN_CELL_W, Math.min(MAX_CELL_W, Math.floor(available / steps.length)));
+  const dpr = window.devicePixelRatio || 1;
+  const width = steps.length * cellW;
+  const height = layers.length * CELL_H;
+  const canvas = el("canvas", { class: "heatmap-canvas" });
+  canvas.width = Math.round(width * dpr);
+  canvas.height = Math.round(height * dpr);
+  canvas.style.width = `${width}px`;
+  canvas.style.height = `${height}px`;
+
+  const originRow = origin && origin.layer != null ? layers.indexOf(origin.layer) : -1;
+  const originCol = origin ? steps.indexOf(origin.step) : -1;
+
+  const rowLabels = el("div", { class: "heatmap-rows" });
+  layers.forEach((layer, r) => {
+    rowLabels.append(
+      el("div", {
+        class: r === originRow ? "heatmap-row-label origin" : "heatmap-row-label",
+        text: truncateLeft(layer, 34),
+        title: layer,
+        data: { layer, origin: r === originRow ? "true" : null },
+      }),
+    );
+  });
+  const every = Math.max(1, Math.ceil(40 / cellW));
+  const colLabels = el("div", { class: "heatmap-cols" });
+  colLabels.style.width = `${width}px`;
+  steps.forEach((step, c) => {
+    if (c % every !== 0 && c !== originCol) return;
+    const label = el("span", {
+      class: c === originCol ? "heatmap-col-label origin" : "heatmap-col-label",
+      text: String(step),
+      data: { step },
+    });
+    label.style.left = `${c * cellW}px`;
+    colLabels.append(label);
+  });
+
+  const tooltip = el("div", { class: "heatmap-tooltip", data: { field: "hover" } });
+  tooltip.hidden = true;
+  const plotArea = el("div", { class: "heatmap-plot" }, [canvas]);
+  plotArea.style.width = `${width}px`;
+  plotArea.style.height = `${height}px`;
+  if (originCol >= 0) {
+    const box = el("div", {
+      class: "heatmap-origin",
+      title: `origin: ${origin.layer ?? "(no layer)"} at step ${origin.step} (${origin.phase})`,
+      data: { origin: "true", layer: origin.layer, step: origin.step },
+    });
+    box.style.left = `${originCol * cellW - 1}px`;
+    box.style.width = `${cellW + 2}px`;
+    box.style.top = originRow >= 0 ? `${originRow * CELL_H - 1}px` : "0px";
+    box.style.height = originRow >= 0 ? `${CELL_H + 2}px` : `${height}px`;
+    plotArea.append(box);
+  }
+  plotArea.append(tooltip);
+  container.append(
+    el("div", { class: "heatmap-grid" }, [
+      el("div", { class: "heatmap-corner muted", text: "layer \\ step" }),
+      colLabels,
+      rowLabels,
+      plotArea,
+    ]),
+  );
+
+  function draw() {
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, width, height);
+    const matrix = heatmap[metric] || [];
+    const range = logRange(matrix);
+    const span = range && range.hi > range.lo ? range.hi - range.lo : 1;
+    legendLo.textContent = range ? fmt(10 ** range.lo, 2) : "–";
+    legendHi.textContent = range ? fmt(10 ** range.hi, 2) : "–";
+    for (let r = 0; r < layers.length; r++) {
+      for (let c = 0; c < steps.length; c++) {
+        const v = matrix[r] ? matrix[r][c] : null;
+        let color = MISSING_COLOR;
+        if (typeof v === "number" && !Number.isFinite(v)) color = NONFINITE_COLOR;
+        else if (typeof v === "number") color = v > 0 && range ? colorAt((Math.log10(v) - range.lo) / span) : colorAt(0);
+        ctx.fillStyle = color;
+        ctx.fillRect(c * cellW, r * CELL_H, cellW - 1, CELL_H - 1);
+        const flagged = heatmap.nonfinite && heatmap.nonfinite[r] && heatmap.nonfinite[r][c];
+        if (flagged && color !== NONFINITE_COLOR) {
+          ctx.fillStyle = NONFINITE_COLOR;
+          ctx.beginPath();
+          ctx.moveTo(c * cellW + cellW - 1, r * CELL_H);
+          ctx.lineTo(c * cellW + cellW - 1, r * CELL_H + 8);
+          ctx.lineTo(c * cellW + cellW - 1 - Math.min(8, cellW - 2), r * CELL_H);
+          ctx.fill();
+        }
+      }
+    }
+    const sc = selectedStep === null ? -1 : steps.indexOf(selectedStep);
+    if (sc >= 0) {
+      ctx.strokeStyle = "#1565c0";
+      ctx.lineWidth = 2;
+      ctx.strokeRect(sc * cellW + 1, 1, cellW - 3, height - 2);
+    }
+  }
+
+  function cellAt(e) {
+    const rect = canvas.getBoundingClientRect();
+    const c = Math.floor((e.clientX - rect.left) / cellW);
+    const r = Math.floor((e.clientY - rect.top) / CELL_H);
+    if (c < 0 || r < 0 || c >= steps.length || r >= layers.length) return null;
+    return { r, c };
+  }
+
+  function setMetric(key) {
+    metric = key;
+    container.dataset.metric = key;
+    for (const b of buttons) b.setAttribute("aria-pressed", String(b.dataset.metric === key));
+    draw();
+  }
+
+  canvas.addEventListener("mousemove", (e) => {
+    const cell = cellAt(e);
+    if (!cell) {
+      tooltip.hidden = true;
+      return;
+    }
+    const v = heatmap[metric]?.[cell.r]?.[cell.c];
+    const flagged = heatmap.nonfinite?.[cell.r]?.[cell.c];
+    const label = METRICS.find((m) => m.key === metric).label;
+    tooltip.textContent = `${layers[cell.r]}\nstep ${steps[cell.c]} · ${label} = ${fmt(v ?? null)}${flagged ? " · has NaN/Inf" : ""}`;
+    tooltip.hidden = false;
+    tooltip.style.left = `${Math.min(cell.c * cellW + cellW + 4, Math.max(0, width - 160))}px`;
+    tooltip.style.top = `${cell.r * CELL_H + CELL_H + 2}px`;
+  });
+  canvas.addEventListener("mouseleave", () => {
+    tooltip.hidden = true;
+  });
+  canvas.addEventListener("click", (e) => {
+    const cell = cellAt(e);
+    if (cell && opts.onStepClick) opts.onStepClick(steps[cell.c]);
+  });
+
+  setMetric(metric);
+  return {
+    setSelectedStep(step) {
+      selectedStep = step;
+      draw();
+    },
+    setMetric,
+  };
+}

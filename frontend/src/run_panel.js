@@ -1,0 +1,92 @@
+/**
+ * One run's panel: incident card, timeline, heatmap and step table, wired so
+ * that clicking a step anywhere loads that step's per-layer table.
+ */
+import { ApiError, fetchIncident, fetchStep } from "./api.js";
+import { el } from "./dom.js";
+import { renderHeatmap } from "./heatmap.js";
+import { renderIncidentCard } from "./incident_card.js";
+import { renderStepError, renderStepLoading, renderStepMissing, renderStepTable } from "./step_table.js";
+import { createTimeline } from "./timeline.js";
+
+/**
+ * Creates the panel of one run and starts loading its data.
+ * @param {string} run Run name.
+ * @param {{primary?: boolean, syncKey?: string}} [opts] `primary` gives the
+ *   panel's parts stable ids (#incident-card, #timeline, #heatmap, #step-table).
+ * @returns {{node: HTMLElement, ready: Promise<void>, destroy: () => void}} The panel.
+ */
+export function createRunPanel(run, opts = {}) {
+  const id = (name) => (opts.primary ? { id: name } : {});
+  const card = el("div", { class: "incident-card card", attrs: id("incident-card") });
+  const timelineBox = el("div", { class: "timeline", attrs: id("timeline") });
+  const heatmapBox = el("div", { class: "heatmap", attrs: id("heatmap") });
+  const tableBox = el("div", { class: "step-table", attrs: id("step-table"), data: { state: "idle" } });
+  tableBox.append(el("p", { class: "muted", text: "Click a step on the timeline or a heatmap column to see its layers." }));
+  const node = el("section", { class: "run-panel", data: { run } }, [
+    el("h2", { class: "run-title", text: run, title: run }),
+    card,
+    el("h3", { class: "section-title", text: "Timeline" }),
+    timelineBox,
+    el("h3", { class: "section-title", text: "Flight recorder: layer × step" }),
+    heatmapBox,
+    el("h3", { class: "section-title", text: "Layers of one step" }),
+    tableBox,
+  ]);
+
+  let heatmap = { setSelectedStep() {} };
+  let stepSeq = 0;
+
+  async function showStep(step) {
+    const mine = ++stepSeq;
+    timeline.setSelectedStep(step);
+    heatmap.setSelectedStep(step);
+    const recorded = timeline.data ? timeline.data.recorded_steps || [] : null;
+    // Ask only for recorded steps: an expected 404 would still log a console error.
+    if (recorded && !recorded.includes(step)) {
+      renderStepMissing(tableBox, step, recorded, showStep);
+      return;
+    }
+    renderStepLoading(tableBox, step);
+    try {
+      const data = await fetchStep(run, step);
+      if (mine === stepSeq) renderStepTable(tableBox, data);
+    } catch (err) {
+      if (mine !== stepSeq) return;
+      if (err instanceof ApiError && err.status === 404) renderStepMissing(tableBox, step, recorded || [], showStep);
+      else renderStepError(tableBox, `Could not load step ${step}: ${err.message}`);
+    }
+  }
+
+  const timeline = createTimeline(timelineBox, { run, syncKey: opts.syncKey, onStepClick: showStep });
+
+  async function load() {
+    card.dataset.state = "loading";
+    card.append(el("p", { class: "muted", text: "Loading…" }));
+    const [incident] = await Promise.all([
+      fetchIncident(run).catch((err) => ({ error: err })),
+      timeline.load(),
+    ]);
+    if (incident.error) {
+      card.textContent = `Could not load the incident: ${incident.error.message}`;
+      card.dataset.state = "error";
+      return;
+    }
+    renderIncidentCard(card, incident, { onStepClick: showStep });
+    heatmap = renderHeatmap(heatmapBox, incident.heatmap, { onStepClick: showStep });
+  }
+
+  const ready = load().catch((err) => {
+    card.textContent = `Could not load run: ${err.message}`;
+    card.dataset.state = "error";
+  });
+
+  return {
+    node,
+    ready,
+    showStep,
+    destroy() {
+      timeline.destroy();
+    },
+  };
+}

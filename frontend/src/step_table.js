@@ -1,0 +1,123 @@
+/** Per-layer table of one step (`step` route). */
+import { el, clear } from "./dom.js";
+import { fmt, isNonFinite, truncateLeft } from "./format.js";
+
+const COLUMNS = ["phase", "layer", "tensor", "nan", "inf", "min", "max", "max_abs", "norm"];
+const NUMERIC = new Set(["nan", "inf", "min", "max", "max_abs", "norm"]);
+
+/**
+ * Nearest recorded steps to `step`.
+ * @param {number[]} recorded Recorded steps (any order).
+ * @param {number} step The wanted step.
+ * @param {number} [count] How many to return.
+ * @returns {number[]} Up to `count` steps, nearest first.
+ */
+export function nearestSteps(recorded, step, count = 6) {
+  return [...(recorded || [])]
+    .sort((a, b) => Math.abs(a - step) - Math.abs(b - step) || a - b)
+    .slice(0, count);
+}
+
+/**
+ * True when a table cell is alarming: a non-finite value or a non-zero NaN/Inf count.
+ * @param {string} column Column name.
+ * @param {*} value Cell value.
+ * @returns {boolean} Whether to highlight.
+ */
+export function isBadCell(column, value) {
+  if (isNonFinite(value)) return true;
+  return (column === "nan" || column === "inf") && typeof value === "number" && value !== 0;
+}
+
+/**
+ * Shows a "loading" line.
+ * @param {HTMLElement} container The step table container.
+ * @param {number} step The step being loaded.
+ */
+export function renderStepLoading(container, step) {
+  clear(container);
+  container.dataset.state = "loading";
+  container.dataset.step = String(step);
+  container.append(el("p", { class: "muted", text: `Loading step ${step}…` }));
+}
+
+/**
+ * Renders the per-layer table.
+ * @param {HTMLElement} container Element to render into.
+ * @param {Object} data The `step` route response.
+ */
+export function renderStepTable(container, data) {
+  clear(container);
+  container.classList.add("step-table");
+  container.dataset.state = "ready";
+  container.dataset.step = String(data.step);
+  const rows = data.rows || [];
+  const bad = rows.filter((r) => COLUMNS.some((c) => isBadCell(c, r[c]))).length;
+  container.append(
+    el("h4", { text: `Step ${data.step} · ${rows.length} tensors (${data.source} record)` }),
+    el("p", { class: bad ? "warn" : "muted", data: { field: "bad-rows" }, text: bad ? `${bad} tensors with NaN/Inf (highlighted).` : "All tensors finite." }),
+  );
+  const head = el("tr", {}, COLUMNS.map((c) => el("th", { text: c.replace("_", " ") })));
+  const body = el("tbody");
+  for (const row of rows) {
+    const rowBad = COLUMNS.some((c) => isBadCell(c, row[c]));
+    body.append(
+      el(
+        "tr",
+        { class: rowBad ? "bad" : "", data: { phase: row.phase, layer: row.layer } },
+        COLUMNS.map((c) =>
+          el("td", {
+            class: `${NUMERIC.has(c) ? "num" : ""}${isBadCell(c, row[c]) ? " nonfinite" : ""}`.trim() || null,
+            data: { col: c },
+            title: c === "layer" && row.layer ? row.layer : null,
+            text: NUMERIC.has(c) ? fmt(row[c] ?? null) : c === "layer" && row.layer ? truncateLeft(row.layer, 44) : row[c] ?? "–",
+          }),
+        ),
+      ),
+    );
+  }
+  container.append(el("div", { class: "table-scroll" }, [el("table", {}, [el("thead", {}, [head]), body])]));
+}
+
+/**
+ * Renders the "not recorded" message with links to the nearest recorded steps.
+ * @param {HTMLElement} container Element to render into.
+ * @param {number} step The step asked for.
+ * @param {number[]} recorded Recorded steps of the run (timeline's `recorded_steps`).
+ * @param {(step: number) => void} onStepClick Called when a suggested step is clicked.
+ */
+export function renderStepMissing(container, step, recorded, onStepClick) {
+  clear(container);
+  container.classList.add("step-table");
+  container.dataset.state = "missing";
+  container.dataset.step = String(step);
+  const near = nearestSteps(recorded, step);
+  container.append(
+    el("p", {
+      class: "muted",
+      text: `Step ${step} has no per-layer record (only the flight-recorder window and periodic snapshots are kept).`,
+    }),
+  );
+  if (near.length) {
+    container.append(
+      el("p", {}, [
+        "Nearest recorded steps: ",
+        ...near.flatMap((s, i) => [
+          i ? " " : null,
+          el("button", { class: "btn link", text: String(s), data: { step: s }, on: { click: () => onStepClick(s) } }),
+        ]),
+      ]),
+    );
+  }
+}
+
+/**
+ * Renders an error message.
+ * @param {HTMLElement} container Element to render into.
+ * @param {string} message The message (text).
+ */
+export function renderStepError(container, message) {
+  clear(container);
+  container.dataset.state = "error";
+  container.append(el("p", { class: "warn", text: message }));
+}

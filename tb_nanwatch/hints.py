@@ -1,0 +1,378 @@
+"""Evidence-based hints for the incident card.
+
+Each rule looks at what was recorded (run summary, per-step series, flight
+window) and returns a hint only when the data supports it, with the numbers
+that support it as ``evidence``. A hint is
+``{"id": str, "title": str, "text": str, "evidence": {name: number | str}}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from tb_nanwatch import diagnosis
+from tb_nanwatch.reader import Flight, Series
+from tb_nanwatch.schema import Schema
+
+# (a) logits rising: at least this many consecutive increases, growing this much.
+MIN_RISING_STEPS = 5
+MIN_RISING_GROWTH = 1.5
+# (b) gradient-norm spike: peak in the last steps vs the median before them.
+SPIKE_WINDOW = 10
+SPIKE_RATIO = 1000.0
+MIN_BASELINE_STEPS = 10
+# (c) saturated final activation: |logit| above this at the incident.
+SATURATED_LOGIT = 15.0
+# (g) explosion: the signal's peak after onset vs its median before.
+EXPLOSION_CONFIRM_RATIO = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """Everything a hint rule may look at."""
+
+    schema: Schema
+    incident: dict | None
+    explosion: dict | None = None
+    series: Series | None = None
+    flight: Flight | None = None
+    summary: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def step(self) -> int | None:
+        if not self.incident or not isinstance(self.incident.get("step"), int):
+            return None
+        return self.incident["step"]
+
+    @property
+    def phase(self) -> str | None:
+        return (self.incident or {}).get("phase")
+
+    def vector(self, step: int) -> np.ndarray | None:
+        return self.flight.vector(step) if self.flight is not None else None
+
+
+def _hint(hint_id: str, title: str, text: str, **evidence: float | str | None) -> dict:
+    clean = {}
+    for name, value in evidence.items():
+        if isinstance(value, (np.floating, np.integer)):
+            value = value.item()
+        if value is not None:
+            clean[name] = value
+    return {"id": hint_id, "title": title, "text": text, "evidence": clean}
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _abs_logits(series: Series) -> np.ndarray | None:
+    if "logit_min" not in series.columns or "logit_max" not in series.columns:
+        return None
+    low = np.abs(series.columns["logit_min"].astype(np.float64))
+    high = np.abs(series.columns["logit_max"].astype(np.float64))
+    return np.maximum(low, high)  # NaN propagates
+
+
+def _signal(series: Series, name: str) -> np.ndarray | None:
+    if name == "logits":
+        return _abs_logits(series)
+    if name in series.columns:
+        return np.abs(series.columns[name].astype(np.float64))
+    return None
+
+
+def logits_rising(rec: Record) -> dict | None:
+    """(a) |logits| rose step after step before the loss became non-finite."""
+    if rec.phase != "loss" or rec.series is None or rec.step is None:
+        return None
+    values = _abs_logits(rec.series)
+    end = rec.series.index_of(rec.step)
+    if values is None or end is None:
+        return None
+    steps = rec.series.steps
+    if not math.isfinite(values[end]):
+        end -= 1
+    if end < 0 or not math.isfinite(values[end]):
+        return None
+    first = end
+    while (
+        first > 0
+        and steps[first - 1] == steps[first] - 1
+        and math.isfinite(values[first - 1])
+        and values[first - 1] < values[first]
+    ):
+        first -= 1
+    rises = end - first
+    low, high = float(values[first]), float(values[end])
+    if rises < MIN_RISING_STEPS or not high >= MIN_RISING_GROWTH * low:
+        return None
+    return _hint(
+        "logits_rising",
+        "Logits grew until the loss broke",
+        f"The largest |logit| rose for {rises} consecutive steps, from {_fmt(low)} "
+        f"(step {int(steps[first])}) to {_fmt(high)} (step {int(steps[end])}), before "
+        f"the loss became {rec.incident.get('kind', 'non-finite')} at step {rec.step}. "
+        "The model is becoming over-confident: lower the learning rate, add label "
+        "smoothing or regularization, and compute the loss from logits.",
+        steps=rises,
+        first=low,
+        last=high,
+        first_step=int(steps[first]),
+        last_step=int(steps[end]),
+    )
+
+
+def grad_norm_spike(rec: Record) -> dict | None:
+    """(b) global gradient norm x1000 above its earlier median."""
+    series = rec.series
+    if series is None or rec.step is None or "grad_norm" not in series.columns:
+        return None
+    norms = series.columns["grad_norm"].astype(np.float64)
+    finite = np.isfinite(norms)
+    recent = (
+        finite & (series.steps <= rec.step) & (series.steps >= rec.step - SPIKE_WINDOW)
+    )
+    earlier = finite & (series.steps < rec.step - SPIKE_WINDOW)
+    if not recent.any() or earlier.sum() < MIN_BASELINE_STEPS:
+        return None
+    median = float(np.median(norms[earlier]))
+    index = np.flatnonzero(recent)[np.argmax(norms[recent])]
+    peak = float(norms[index])
+    if not median > 0 or peak / median < SPIKE_RATIO:
+        return None
+    ratio = peak / median
+    return _hint(
+        "grad_norm_spike",
+        "Gradient norm exploded",
+        f"The global gradient norm reached {_fmt(peak)} at step {int(series.steps[index])}, "
+        f"{ratio:.3g}x its median ({_fmt(median)}) over the {int(earlier.sum())} earlier "
+        "steps. Clip gradients (e.g. clipnorm=1.0 or global_clipnorm) or lower the "
+        "learning rate.",
+        ratio=ratio,
+        grad_norm=peak,
+        grad_norm_step=int(series.steps[index]),
+        median=median,
+        median_steps=int(earlier.sum()),
+    )
+
+
+def saturated_output(rec: Record) -> dict | None:
+    """(c) loss broke on a saturated final sigmoid/softmax: use from_logits."""
+    if rec.phase != "loss" or rec.step is None:
+        return None
+    entries = [
+        e for e in rec.schema.find(kind="logits") if e.tensor.startswith("logits")
+    ]
+    if not entries:
+        return None
+    best, output = -math.inf, None
+    vector = rec.vector(rec.step)
+    if vector is not None:
+        for entry in entries:
+            values = rec.schema.values(vector, entry)
+            magnitude = max(abs(values["min"]), abs(values["max"]))
+            if math.isfinite(magnitude) and magnitude > best:
+                best, output = magnitude, entry.layer
+    elif rec.series is not None:
+        values = _abs_logits(rec.series)
+        index = rec.series.index_of(rec.step)
+        if values is not None and index is not None and math.isfinite(values[index]):
+            best = float(values[index])
+            output = entries[0].layer if len(entries) == 1 else None
+    if not best > SATURATED_LOGIT:
+        return None
+    where = f" of output {output}" if output else ""
+    return _hint(
+        "saturated_output",
+        "Saturated sigmoid/softmax fed to the loss",
+        f"At step {rec.step} the logits{where} reached |{_fmt(best)}| (above "
+        f"{SATURATED_LOGIT:g}): the final sigmoid/softmax outputs exactly 0 or 1 in "
+        "float32, and a cross-entropy computed on these probabilities takes log(0). "
+        "Remove the final activation and use from_logits=True (or compute the loss "
+        "from the logits).",
+        max_abs_logit=best,
+        threshold=SATURATED_LOGIT,
+        output=output,
+        step=rec.step,
+    )
+
+
+def input_nonfinite(rec: Record) -> dict | None:
+    """(d) the non-finite value came in with the data."""
+    if rec.phase != "input" or rec.step is None:
+        return None
+    name = rec.incident.get("layer") or rec.incident.get("tensor") or "an input"
+    kind = rec.incident.get("kind", "nan")
+    clean_before = None
+    entry = next(
+        (
+            e
+            for e in rec.schema.find(phase="input")
+            if e.layer == rec.incident.get("layer")
+        ),
+        None,
+    )
+    if rec.flight is not None and entry is not None:
+        clean_before = 0
+        for step in range(rec.step - 1, rec.flight.first_step - 1, -1):
+            vector = rec.flight.vector(step)
+            values = rec.schema.values(vector, entry)
+            if diagnosis.nonfinite_kind(values["nan"], values["inf"]) is not None:
+                break
+            clean_before += 1
+    text = (
+        f"Input {name} contained {kind.upper()} at step {rec.step}"
+        f" (epoch {rec.incident.get('epoch')}, batch {rec.incident.get('batch')}): "
+        "the model was fed non-finite data. Check the data pipeline (missing values, "
+        "divisions by zero or log of 0 in preprocessing)"
+    )
+    if "inf" in kind:
+        text += ", and float64 inputs whose values overflow float32 when cast"
+    text += ". tf.debugging.assert_all_finite on the dataset finds the records."
+    return _hint(
+        "input_nonfinite",
+        "Non-finite input data",
+        text,
+        input=name,
+        kind=kind,
+        step=rec.step,
+        finite_steps_before=clean_before,
+    )
+
+
+def adam_epsilon(rec: Record) -> dict | None:
+    """(e) update broke while a variable's gradient was exactly zero."""
+    if rec.phase != "update" or rec.step is None:
+        return None
+    vector = rec.vector(rec.step)
+    if vector is None:
+        return None
+    zero = []
+    for entry in rec.schema.find(phase="backward", kind="grad_var"):
+        values = rec.schema.values(vector, entry)
+        if values["norm"] == 0.0 and values["nan"] == 0 and values["inf"] == 0:
+            zero.append(entry)
+    if not zero:
+        return None
+    same_layer = [e for e in zero if e.layer == rec.incident.get("layer")]
+    entry = (same_layer or zero)[0]
+    optimizer = rec.summary.get("optimizer")
+    return _hint(
+        "adam_epsilon",
+        "Optimizer update divided by ~0",
+        f"All gradients were finite at step {rec.step}, yet the update made "
+        f"{rec.incident.get('tensor')} non-finite; the {entry.tensor} was exactly 0 "
+        f"at that step ({len(zero)} variable(s) with a zero gradient). Adaptive "
+        "optimizers (Adam, RMSprop) divide by sqrt(v) + epsilon: raise epsilon "
+        "(e.g. 1e-7 -> 1e-4, more under float16).",
+        variable=str(rec.incident.get("tensor")),
+        zero_gradient=entry.tensor,
+        grad_norm=0.0,
+        zero_gradients=len(zero),
+        optimizer=optimizer if isinstance(optimizer, str) else None,
+        step=rec.step,
+    )
+
+
+def backward_origin(rec: Record) -> dict | None:
+    """(f) the forward pass and loss were finite; a gradient was not."""
+    if rec.phase != "backward" or rec.step is None or not rec.incident.get("layer"):
+        return None
+    if rec.incident.get("note"):
+        return None  # a loss-scaler skip streak, not one op's gradient
+    loss = None
+    output_min = output_max = None
+    vector = rec.vector(rec.step)
+    if vector is not None:
+        for entry in rec.schema.entries:
+            if entry.phase not in ("input", "forward", "loss"):
+                continue
+            values = rec.schema.values(vector, entry)
+            if diagnosis.nonfinite_kind(values["nan"], values["inf"]) is not None:
+                return None
+            if entry.kind == "loss" and entry.layer is None:
+                loss = values["value"]
+            if entry.kind == "activation" and entry.layer == rec.incident["layer"]:
+                output_min, output_max = values["min"], values["max"]
+    elif rec.series is not None:
+        loss = rec.series.value("loss", rec.step)
+    if loss is None or not math.isfinite(loss):
+        return None
+    layer = rec.incident["layer"]
+    return _hint(
+        "backward_origin",
+        "Finite forward pass, non-finite gradient",
+        f"At step {rec.step} the forward pass and the loss ({_fmt(loss)}) were finite, "
+        f"but the {rec.incident.get('tensor')} was {rec.incident.get('kind', 'NaN')}: "
+        f"an op in {layer} has an infinite derivative at a finite input, typically "
+        "sqrt, log, pow or a division at 0 (d/dx sqrt(x) is infinite at x = 0). Add "
+        "an epsilon (sqrt(x + 1e-12)), clip the input away from 0, or use a safe op.",
+        layer=layer,
+        tensor=str(rec.incident.get("tensor")),
+        step=rec.step,
+        loss=float(loss),
+        output_min=output_min,
+        output_max=output_max,
+    )
+
+
+def explosion_without_nan(rec: Record) -> dict | None:
+    """(g) a blow-up that has not (yet) produced NaN/Inf."""
+    if rec.incident or not rec.explosion or rec.series is None:
+        return None
+    onset, signal = rec.explosion.get("step"), rec.explosion.get("signal")
+    if not isinstance(onset, int) or not isinstance(signal, str):
+        return None
+    values = _signal(rec.series, signal)
+    if values is None:
+        return None
+    finite = np.isfinite(values)
+    before = values[finite & (rec.series.steps < onset)]
+    after = values[finite & (rec.series.steps >= onset)]
+    if not len(before) or not len(after):
+        return None
+    median, peak = float(np.median(before)), float(np.max(after))
+    if not median > 0 or peak / median < EXPLOSION_CONFIRM_RATIO:
+        return None
+    lr = rec.series.value("lr", onset)
+    lr_text = f" (lr = {_fmt(lr)} at onset)" if lr is not None and lr > 0 else ""
+    return _hint(
+        "explosion",
+        "Training is exploding",
+        f"The {signal} started to explode at step {onset}: it peaked at {_fmt(peak)}, "
+        f"{peak / median:.3g}x its median before ({_fmt(median)}), without NaN/Inf so "
+        f"far. Lower the learning rate{lr_text} or clip gradients (clipnorm / "
+        "global_clipnorm).",
+        step=onset,
+        signal=signal,
+        median_before=median,
+        peak=peak,
+        ratio=peak / median,
+        lr=lr if lr is not None and math.isfinite(lr) else None,
+    )
+
+
+RULES: tuple[Callable[[Record], dict | None], ...] = (
+    input_nonfinite,
+    backward_origin,
+    adam_epsilon,
+    saturated_output,
+    logits_rising,
+    grad_norm_spike,
+    explosion_without_nan,
+)
+
+
+def compute_hints(rec: Record) -> list[dict]:
+    """All hints the record supports, most specific first."""
+    hints = []
+    for rule in RULES:
+        hint = rule(rec)
+        if hint is not None:
+            hints.append(hint)
+    return hints

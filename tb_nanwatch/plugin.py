@@ -1,0 +1,286 @@
+"""The NaN Watch TensorBoard plugin: JSON routes and the frontend's static files.
+
+See ``docs/routes.md`` for the route contract. Data is read only through
+``context.data_provider`` (works with the Python loader and the Rust data
+server). This module must not import TensorFlow: TensorBoard does not catch an
+import error in a dynamic plugin.
+
+Every error is answered as JSON ``{"error": ...}``: 400 for a bad or missing
+parameter, 404 for an unknown run or unrecorded step, 405 for a method other
+than GET. An unexpected failure is logged and answered 400; never 500.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+from tensorboard import errors, plugin_util
+from tensorboard.backend import http_util
+from tensorboard.plugins import base_plugin
+from werkzeug import wrappers
+
+from tb_nanwatch import hints, metadata, reader, views
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+# Route -> (file in STATIC_DIR, MIME type). Hard-coded: never from the URL,
+# never from the ``mimetypes`` registry.
+STATIC_FILES = {
+    "/index.js": ("index.js", "text/javascript"),
+    "/style.css": ("style.css", "text/css"),
+}
+
+DEFAULT_MAX_POINTS = 4000
+MAX_MAX_POINTS = 200_000
+MAX_STEP = 2**53 - 1  # largest integer a JSON number holds exactly
+
+JSON = "application/json"
+
+
+class _HttpError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _bad_request(message: str) -> _HttpError:
+    return _HttpError(400, message)
+
+
+def _not_found(message: str) -> _HttpError:
+    return _HttpError(404, message)
+
+
+def _error_response(request: wrappers.Request, code: int, message: str):
+    return http_util.Respond(request, {"error": message}, JSON, code=code)
+
+
+def _json_app(handler: Callable[[wrappers.Request], object]) -> Callable:
+    """A WSGI app around ``handler(request)``, which returns a JSON body or a
+    response; every failure becomes a JSON error, never a 500."""
+
+    def app(environ, start_response):
+        request = wrappers.Request(environ)
+        try:
+            if request.method not in ("GET", "HEAD"):
+                raise _HttpError(405, f"method {request.method} not allowed; use GET")
+            response = handler(request)
+            if not isinstance(response, wrappers.Response):
+                response = http_util.Respond(request, response, JSON)
+        except _HttpError as error:
+            response = _error_response(request, error.code, error.message)
+        except errors.PublicError as error:
+            code = error.http_code if 400 <= error.http_code < 500 else 400
+            response = _error_response(request, code, str(error))
+        except Exception as error:  # a route must never answer 500
+            logger.exception("nanwatch: error serving %s", request.path)
+            response = _error_response(
+                request,
+                400,
+                f"nanwatch could not answer this request: {type(error).__name__}: "
+                f"{error} (details in the TensorBoard log)",
+            )
+        return response(environ, start_response)
+
+    return app
+
+
+def _int_param(
+    request: wrappers.Request,
+    name: str,
+    *,
+    default: int | None = None,
+    required: bool = False,
+    low: int = 0,
+    high: int = MAX_STEP,
+) -> int | None:
+    """A decimal integer query parameter in [low, high], or raises 400."""
+    raw = request.args.get(name)
+    if raw is None or raw == "":
+        if required:
+            raise _bad_request(f"missing query parameter {name!r}")
+        return default
+    if len(raw) > 20 or not raw.isascii() or not raw.isdigit():
+        raise _bad_request(f"query parameter {name!r} must be a non-negative integer")
+    value = int(raw)
+    if not low <= value <= high:
+        raise _bad_request(f"query parameter {name!r} must be in [{low}, {high}]")
+    return value
+
+
+def _run_param(request: wrappers.Request) -> str:
+    run = request.args.get("run")
+    if run is None:
+        raise _bad_request("missing query parameter 'run'")
+    return run
+
+
+class NanWatchPlugin(base_plugin.TBPlugin):
+    """Shows where NaN/Inf was born: timeline, incident card, per-layer tables."""
+
+    plugin_name = metadata.PLUGIN_NAME
+
+    def __init__(self, context: base_plugin.TBContext) -> None:
+        self._data_provider = context.data_provider
+        self._series_cache = reader.SeriesCache()
+
+    def get_plugin_apps(self) -> dict[str, Callable]:
+        apps = {
+            "/runs": _json_app(self._serve_runs),
+            "/timeline": _json_app(self._serve_timeline),
+            "/incident": _json_app(self._serve_incident),
+            "/step": _json_app(self._serve_step),
+        }
+        for route in STATIC_FILES:
+            apps[route] = _json_app(functools.partial(self._serve_static, route))
+        return apps
+
+    def is_active(self) -> bool:
+        return False  # `data_plugin_names` vs `list_plugins` decides
+
+    def data_plugin_names(self) -> tuple[str, ...]:
+        return (metadata.PLUGIN_NAME,)
+
+    def frontend_metadata(self) -> base_plugin.FrontendMetadata:
+        return base_plugin.FrontendMetadata(
+            es_module_path="/index.js", tab_name="NaN Watch"
+        )
+
+    # -- data access ------------------------------------------------------
+
+    def _require_provider(self):
+        if self._data_provider is None:
+            raise _not_found("no data provider: TensorBoard has no log data loaded")
+        return self._data_provider
+
+    def _load_run(self, request: wrappers.Request, run: str) -> reader.Run:
+        ctx = plugin_util.context(request.environ)
+        eid = plugin_util.experiment_id(request.environ)
+        found = reader.load_run(self._require_provider(), ctx, eid, run)
+        if found is None:
+            raise _not_found(f"no readable NaN Watch data for run {run!r}")
+        return found
+
+    def _series(self, request: wrappers.Request, run: reader.Run) -> reader.Series:
+        series = reader.load_series(
+            self._data_provider,
+            plugin_util.context(request.environ),
+            plugin_util.experiment_id(request.environ),
+            run,
+            cache=self._series_cache,
+        )
+        if series is None:
+            raise _not_found(f"the series of run {run.name!r} could not be read")
+        return series
+
+    def _flight(
+        self, request: wrappers.Request, run: reader.Run
+    ) -> reader.Flight | None:
+        return reader.load_flight(
+            self._data_provider,
+            plugin_util.context(request.environ),
+            plugin_util.experiment_id(request.environ),
+            run,
+        )
+
+    def _incident(self, request: wrappers.Request, run: reader.Run) -> dict | None:
+        incident = run.summary.get("first_nonfinite")
+        if incident is None:
+            incident = reader.load_incident(
+                self._data_provider,
+                plugin_util.context(request.environ),
+                plugin_util.experiment_id(request.environ),
+                run,
+            )
+        return incident
+
+    # -- routes -----------------------------------------------------------
+
+    def _serve_runs(self, request: wrappers.Request) -> dict:
+        ctx = plugin_util.context(request.environ)
+        eid = plugin_util.experiment_id(request.environ)
+        if self._data_provider is None:
+            return {"runs": []}
+        runs = reader.load_runs(self._data_provider, ctx, eid)
+        return {"runs": [views.run_entry(runs[name]) for name in sorted(runs)]}
+
+    def _serve_timeline(self, request: wrappers.Request) -> dict:
+        run_name = _run_param(request)
+        start = _int_param(request, "start")
+        end = _int_param(request, "end")
+        max_points = _int_param(
+            request,
+            "max_points",
+            default=DEFAULT_MAX_POINTS,
+            low=1,
+            high=MAX_MAX_POINTS,
+        )
+        if start is not None and end is not None and end <= start:
+            raise _bad_request("'end' must be greater than 'start'")
+        run = self._load_run(request, run_name)
+        series = self._series(request, run)
+        flight = self._flight(request, run)
+        recorded = set(run.listing.snapshot_steps())
+        if flight is not None:
+            recorded.update(flight.steps)
+        return views.timeline(run, series, start, end, max_points, sorted(recorded))
+
+    def _serve_incident(self, request: wrappers.Request) -> dict:
+        run = self._load_run(request, _run_param(request))
+        incident = self._incident(request, run)
+        flight = self._flight(request, run)
+        record = hints.Record(
+            schema=run.schema,
+            incident=incident,
+            explosion=run.summary.get("explosion"),
+            series=self._series(request, run),
+            flight=flight,
+            summary=run.summary,
+        )
+        return {
+            "run": run.name,
+            "incident": incident,
+            "explosion": run.summary.get("explosion"),
+            "heatmap": views.heatmap(flight, incident) if flight is not None else None,
+            "hints": hints.compute_hints(record),
+        }
+
+    def _serve_step(self, request: wrappers.Request) -> dict:
+        run_name = _run_param(request)
+        step = _int_param(request, "step", required=True)
+        run = self._load_run(request, run_name)
+        flight = self._flight(request, run)
+        vector = flight.vector(step) if flight is not None else None
+        source = "flight"
+        if vector is None:
+            source = "snapshot"
+            if step in run.listing.snapshot_steps():
+                vector = reader.load_layers(
+                    self._data_provider,
+                    plugin_util.context(request.environ),
+                    plugin_util.experiment_id(request.environ),
+                    run,
+                    step,
+                )
+        if vector is None:
+            raise _not_found(f"step {step} of run {run.name!r} has no per-layer record")
+        return {
+            "run": run.name,
+            "step": step,
+            "source": source,
+            "rows": views.step_rows(run.schema, vector),
+        }
+
+    def _serve_static(self, route: str, request: wrappers.Request):
+        filename, mime = STATIC_FILES[route]
+        try:
+            with open(os.path.join(STATIC_DIR, filename), "rb") as infile:
+                content = infile.read()
+        except OSError:
+            raise _not_found(f"static file {filename} is not installed") from None
+        return http_util.Respond(request, content, mime)

@@ -1,0 +1,116 @@
+"""A text or JSON report of the NaN Watch runs in a log directory.
+
+The log directory is read by TensorBoard's own loader (``EventMultiplexer``
+with TensorBoard's default sampling, wrapped in ``MultiplexerDataProvider``),
+then through :mod:`tb_nanwatch.reader`, exactly as the plugin reads it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tensorboard import context
+
+from tb_nanwatch import hints, reader
+
+EXPERIMENT_ID = ""
+_KIND_TEXT = {"nan": "NaN", "inf": "Inf", "nan+inf": "NaN and Inf"}
+
+
+def load_provider(logdir: str):
+    """A ``MultiplexerDataProvider`` over every run found under ``logdir``."""
+    # Imported here: TensorBoard's event processing pulls in its I/O layer.
+    from tensorboard.backend.event_processing import data_provider
+    from tensorboard.backend.event_processing import plugin_event_multiplexer
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(logdir)
+    multiplexer.Reload()
+    return data_provider.MultiplexerDataProvider(multiplexer, logdir)
+
+
+def _run_path(name: str) -> str:
+    return name.replace(os.sep, "/") if os.sep != "/" else name
+
+
+def _first_nonfinite(incident: dict | None) -> dict | None:
+    if not incident:
+        return None
+    layer = incident.get("layer")
+    return {
+        "step": int(incident["step"]),
+        "phase": str(incident["phase"]),
+        "layer": None if layer is None else str(layer),
+        "tensor": str(incident.get("tensor", "")),
+        "kind": str(incident.get("kind", "nan")),
+    }
+
+
+def _explosion(explosion: dict | None) -> dict | None:
+    if not explosion:
+        return None
+    return {"step": int(explosion["step"]), "signal": str(explosion["signal"])}
+
+
+def run_report(run: reader.Run) -> dict:
+    """The JSON report entry of one run (the documented shape, nothing more)."""
+    return {
+        "run": _run_path(run.name),
+        "steps": int(run.summary["steps"]),
+        "first_nonfinite": _first_nonfinite(run.summary.get("first_nonfinite")),
+        "explosion": _explosion(run.summary.get("explosion")),
+        "skipped_steps": run.skipped_steps(),
+    }
+
+
+def build_report(data_provider, ctx=None) -> tuple[dict, dict[str, reader.Run]]:
+    """``({"runs": [...]}, runs by name)`` for every readable run."""
+    ctx = ctx or context.RequestContext()
+    runs = reader.load_runs(data_provider, ctx, EXPERIMENT_ID)
+    return {"runs": [run_report(runs[name]) for name in sorted(runs)]}, runs
+
+
+def run_hints(data_provider, run: reader.Run, ctx=None) -> list[dict]:
+    """The incident-card hints of one run."""
+    ctx = ctx or context.RequestContext()
+    incident = run.summary.get("first_nonfinite")
+    record = hints.Record(
+        schema=run.schema,
+        incident=incident,
+        explosion=run.summary.get("explosion"),
+        series=reader.load_series(data_provider, ctx, EXPERIMENT_ID, run),
+        flight=reader.load_flight(data_provider, ctx, EXPERIMENT_ID, run),
+        summary=run.summary,
+    )
+    return hints.compute_hints(record)
+
+
+def format_run(run: reader.Run, run_hints: list[dict] | None = None) -> str:
+    """Human-readable lines for one run."""
+    summary = run.summary
+    steps = int(summary["steps"])
+    lines = [f"run {_run_path(run.name)}: {steps} steps, {summary.get('status', '?')}"]
+    incident = summary.get("first_nonfinite")
+    if incident:
+        kind = _KIND_TEXT.get(str(incident.get("kind")), str(incident.get("kind")))
+        where = f"layer {incident['layer']}" if incident.get("layer") else "no layer"
+        lines.append(
+            f"  first non-finite: {kind} at step {incident['step']} "
+            f"(epoch {incident.get('epoch', '?')}, batch {incident.get('batch', '?')}), "
+            f"phase {incident.get('phase')}, {where}, tensor {incident.get('tensor')!r}"
+        )
+        if incident.get("note"):
+            lines.append(f"  note: {incident['note']}")
+    else:
+        lines.append("  healthy: no NaN/Inf recorded")
+    explosion = summary.get("explosion")
+    if explosion:
+        lines.append(
+            f"  explosion onset: step {explosion['step']} ({explosion['signal']})"
+        )
+    else:
+        lines.append("  explosion onset: none")
+    lines.append(f"  skipped steps: {run.skipped_count()}")
+    for hint in run_hints or []:
+        lines.append(f"  hint: {hint['title']}: {hint['text']}")
+    return "\n".join(lines)
