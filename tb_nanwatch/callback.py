@@ -180,6 +180,11 @@ class NanWatch(keras.callbacks.Callback):
         self._siblings = _sibling_callbacks(self)
         self._step = 0
         self.incident = None
+        if self.journal is not None:  # crash safety: the previous fit raised and
+            try:  # Keras skipped on_train_end; see tb_nanwatch.crash_safety
+                self.journal.close("raised")
+            except Exception as error:  # noqa: BLE001
+                warnings.warn(f"NanWatch could not close the previous record: {error!r}")
         self.journal = None
         try:
             self._recorder = StepRecorder(

@@ -9,12 +9,14 @@ the synthetic-run generator of the benchmark.
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import time
 
 import numpy as np
 
-from tb_nanwatch import diagnosis, metadata
+from tb_nanwatch import crash_safety, diagnosis, metadata
 from tb_nanwatch.event_writer import RunWriter
 from tb_nanwatch.schema import Schema
 
@@ -31,6 +33,18 @@ SERIES_BASE_COLUMNS = (
     "epoch",
     "batch",
 )
+
+
+def _locked(method):
+    """Runs a journal method under the journal's lock (crash_safety flushes
+    from another thread and from signal handlers)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _ranges(steps: list[int]) -> list[list[int]]:
@@ -59,12 +73,16 @@ class RunJournal:
         flush_secs: float = 10.0,
         explosion: diagnosis.ExplosionDetector | None = None,
         writer: RunWriter | None = None,
+        min_loss_scale: float = 0.0,
     ) -> None:
         self.schema = schema
         self.run_info = dict(run_info)
         self.window = window
         self.snapshot_every = snapshot_every
         self.max_consecutive_skips = max_consecutive_skips
+        # A step skipped by the loss scaler whose scale fell below this floor
+        # is an incident: float16 cannot hold even the unscaled gradients.
+        self.min_loss_scale = float(min_loss_scale)
         self.flush_secs = flush_secs
         self.explosion = explosion or diagnosis.ExplosionDetector()
         self.writer = writer or RunWriter(log_dir)
@@ -87,14 +105,27 @@ class RunJournal:
         self._skip_streak_start: int | None = None
         self._skip_streak_vector: np.ndarray | None = None
         self._skip_streak_meta: tuple[int, int] | None = None
+        self._skip_streak_extra: dict | None = None
         self.status = "running"
         self.repro_bundle: str | None = None
         self._last_flush = time.monotonic()
+        # -- crash safety (see tb_nanwatch.crash_safety) --
+        self._lock = threading.RLock()
+        self._flushed_steps = 0
+        self.closed = False
+        crash_safety.watch(self)
 
     # -- per step ---------------------------------------------------------
 
-    def record(self, step: int, epoch: int, batch: int, vector: np.ndarray) -> dict | None:
-        """Records one step; returns the incident dict when this step is one."""
+    @_locked
+    def record(
+        self, step: int, epoch: int, batch: int, vector: np.ndarray, extra: dict | None = None
+    ) -> dict | None:
+        """Records one step; returns the incident dict when this step is one.
+
+        ``extra`` (e.g. which replica went non-finite first) is added to the
+        incident if this step becomes one.
+        """
         vector = np.asarray(vector, np.float32)
         if vector.shape != (self.schema.size,):
             raise ValueError(
@@ -135,7 +166,7 @@ class RunJournal:
 
         incident = None
         if self.first_nonfinite is None:
-            incident = self._diagnose(step, epoch, batch, vector, origin, bool(skipped))
+            incident = self._diagnose(step, epoch, batch, vector, origin, bool(skipped), extra)
         if self.explosion_onset is None:
             logit_abs = max(abs(float(logit_min)), abs(float(logit_max)))
             self.explosion_onset = self.explosion.update(
@@ -165,14 +196,26 @@ class RunJournal:
         maxs = [vector[e.offset + 3] for e in self._logits]
         return float(np.min(mins)), float(np.max(maxs))
 
-    def _diagnose(self, step, epoch, batch, vector, origin, skipped) -> dict | None:
+    def _diagnose(self, step, epoch, batch, vector, origin, skipped, extra=None) -> dict | None:
         if skipped:
             self.skipped_steps.append(step)
             if self._skip_streak_start is None:
                 self._skip_streak_start = step
                 self._skip_streak_vector = vector.copy()
                 self._skip_streak_meta = (epoch, batch)
+                self._skip_streak_extra = extra
             streak = step - self._skip_streak_start + 1
+            scale = float(vector[self._header + 3])
+            if 0 < scale < self.min_loss_scale:
+                return self._incident(
+                    step,
+                    epoch,
+                    batch,
+                    vector,
+                    origin,
+                    note=f"loss scale fell to {scale:g}, below the floor {self.min_loss_scale:g}",
+                    extra=extra,
+                )
             if self.max_consecutive_skips and streak >= self.max_consecutive_skips:
                 first = self._skip_streak_start
                 first_origin = diagnosis.find_origin(self.schema, self._skip_streak_vector)
@@ -182,14 +225,15 @@ class RunJournal:
                     self._skip_streak_vector,
                     first_origin,
                     note=f"{streak} consecutive steps skipped by the loss scaler",
+                    extra=self._skip_streak_extra,
                 )
             return None
         self._skip_streak_start = None
         if origin is None:
             return None
-        return self._incident(step, epoch, batch, vector, origin)
+        return self._incident(step, epoch, batch, vector, origin, extra=extra)
 
-    def _incident(self, step, epoch, batch, vector, origin, note=None) -> dict:
+    def _incident(self, step, epoch, batch, vector, origin, note=None, extra=None) -> dict:
         h = self._header
         incident = {
             "step": int(step),
@@ -201,6 +245,7 @@ class RunJournal:
         }
         if note:
             incident["note"] = note
+        incident.update(extra or {})
         incident.update(self.run_info.get("incident_context", {}))
         self.first_nonfinite = incident
         return incident
@@ -233,6 +278,7 @@ class RunJournal:
         )
         self.flush()
 
+    @_locked
     def set_repro_bundle(self, relative_path: str) -> None:
         self.repro_bundle = relative_path
         self.flush()
@@ -254,14 +300,46 @@ class RunJournal:
             **{k: v for k, v in self.run_info.items() if k != "incident_context"},
         }
 
+    @_locked
     def flush(self) -> None:
         """Writes the partial series chunk and the run summary, then syncs."""
         self._write_chunk()
         self.writer.write_json(metadata.TAG_RUN, metadata.KIND_RUN, self.steps, self.summary())
         self.writer.flush()
         self._last_flush = time.monotonic()
+        self._flushed_steps = self.steps
 
+    @_locked
     def close(self, status: str = "finished") -> None:
+        """Final flush with ``status``; later calls do nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        crash_safety.unwatch(self)
         self.status = status
         self.flush()
         self.writer.close()
+
+    # -- crash safety (used by tb_nanwatch.crash_safety) ---------------------
+
+    @property
+    def dirty(self) -> bool:
+        """Steps recorded since the last flush."""
+        return not self.closed and self.steps != self._flushed_steps
+
+    @property
+    def last_flush_time(self) -> float:
+        return self._last_flush
+
+    def flush_if_dirty(self, blocking: bool = True) -> bool:
+        """Flushes when steps wait; with ``blocking=False`` gives up when the
+        journal is busy. Returns whether it flushed."""
+        if not self._lock.acquire(blocking=blocking):
+            return False
+        try:
+            if not self.dirty:
+                return False
+            self.flush()
+            return True
+        finally:
+            self._lock.release()

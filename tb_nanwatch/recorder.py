@@ -74,52 +74,60 @@ class StepRecorder:
         self._batch_vars: list[tf.Variable] | None = None
         self._batch_structure: Any = None
         self._shadows: list[tf.Variable] | None = None
+        self._shadow_count: tf.Variable | None = None
+        self._stash_count: tf.Variable | None = None
+        self._frozen: tf.Variable | None = None
+        self._replicas = 1
         self._last_seq = 0
         self.trace_error: Exception | None = None
         self.tapped_layers = [path for _, path in self.taps._layers]
+        # Watched layers never seen in the step graph (see ``not_watched``).
+        self.unwatched_layers: list[str] | None = None
+        self.strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
 
     # -- setup -------------------------------------------------------------
 
     def install(self) -> None:
         self.taps.install()
         if self.pre_step_weights != "off" and self._shadows is None:
-            with self.model.distribute_strategy.scope():
+            with self.strategy.scope():
                 self._shadows = [
-                    tf.Variable(
-                        tf.zeros(v.shape, v.dtype),
-                        trainable=False,
-                        name="nanwatch_pre_step",
-                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-                    )
+                    _local_variable(tf.zeros(v.shape, v.dtype), "nanwatch_pre_step")
                     for v in self.model.trainable_weights
                 ]
+                self._shadow_count = _local_variable(tf.constant(0, tf.int64), "nanwatch_pre_step_of")
 
     def uninstall(self) -> None:
         self.taps.uninstall()
 
     def _ensure_buffers(self, size: int, batch: list[tf.Tensor]) -> None:
-        """Creates the ring buffer and batch stash on first trace (eagerly)."""
+        """Creates the ring buffer and batch stash on first trace (eagerly).
+
+        Every variable is replica-local (``ON_READ``): each replica writes its
+        own copy inside the step with no cross-replica traffic, and the host
+        reads them once per execution. The buffer rows are identical on every
+        replica (the statistics are reduced before they are written); the
+        batch stash holds each replica's own shard.
+        """
+        ctx = tf.distribute.get_replica_context()
+        replicas = ctx.num_replicas_in_sync if ctx is not None else 1
+        width = 1 + size + replicas
         with self._lock:
             if self._buffer is not None:
-                if self._buffer.shape[1] != size + 1:
+                if self._buffer.shape[1] != width:
                     raise RuntimeError(
                         "the watched model changed its structure between traces; "
                         "create a new NanWatch for the new model"
                     )
                 return
             with tf.init_scope():
-                self._buffer = tf.Variable(
-                    tf.zeros([self.capacity, size + 1], tf.float32),
-                    trainable=False,
-                    name="nanwatch_buffer",
-                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                self._replicas = replicas
+                self._buffer = _local_variable(
+                    tf.zeros([self.capacity, width], tf.float32), "nanwatch_buffer"
                 )
-                self._counter = tf.Variable(
-                    tf.constant(0, tf.int64),
-                    trainable=False,
-                    name="nanwatch_counter",
-                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-                )
+                self._counter = _local_variable(tf.constant(0, tf.int64), "nanwatch_counter")
+                self._stash_count = _local_variable(tf.constant(0, tf.int64), "nanwatch_batch_of")
+                self._frozen = _local_variable(tf.constant(False), "nanwatch_captured")
                 self._batch_vars = [_stash_variable(t) for t in batch]
 
     # -- the instrumented Keras train step ----------------------------------
@@ -198,6 +206,9 @@ class StepRecorder:
         """Adds header, input, forward, loss and backward entries; stashes state."""
         grads = list(all_grads[: len(weights)])
         watched = list(all_grads[len(weights) :])
+        if self.unwatched_layers is None:
+            seen = {call.path.split("#")[0] for call in trace.calls}
+            self.unwatched_layers = [p for p in self.tapped_layers if p not in seen]
         builder = step_stats.StatsBuilder()
         is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         if is_lso:
@@ -305,24 +316,34 @@ class StepRecorder:
         )
         # The buffer's width is known only now; create it before any use.
         self._ensure_buffers(_schema_size_after_update(builder, weights), flat_batch)
-        for var, t in zip(self._batch_vars, flat_batch):
-            _stash(var, t)
+        # The stash is frozen at the first step that the journal will call an
+        # incident (see after_update), so with steps_per_execution > 1 the
+        # later steps of the same execution do not overwrite it.
+        this_step = self._counter.read_value() + 1
+        capturing = tf.logical_not(self._frozen.read_value())
+
+        def keep_batch():
+            for var, t in zip(self._batch_vars, flat_batch):
+                _stash(var, t)
+            self._stash_count.assign(this_step)
+            return tf.constant(True)
+
+        tf.cond(capturing, keep_batch, lambda: tf.constant(False))
         if self._shadows is None:
             return
 
         def copy():
             for shadow, v in zip(self._shadows, weights):
                 shadow.assign(v)
+            self._shadow_count.assign(this_step)
             return tf.constant(True)
 
         if self.pre_step_weights == "every_step":
-            copy()
+            tf.cond(capturing, copy, lambda: tf.constant(False))
         else:
-            counts = [
-                builder._partials["sum"][i] for i in range(len(builder._partials["sum"]))
-            ]
+            counts = list(builder._partials["sum"])
             suspect = tf.add_n(counts) > 0 if counts else tf.constant(False)
-            tf.cond(suspect, copy, lambda: tf.constant(False))
+            tf.cond(tf.logical_and(suspect, capturing), copy, lambda: tf.constant(False))
 
     def after_update(self, builder: step_stats.StatsBuilder, weights: list, model) -> None:
         """Adds the update entries and writes the step's row into the buffer."""
@@ -343,28 +364,97 @@ class StepRecorder:
         slot = tf.cast((count - 1) % self.capacity, tf.int32)
         seq = tf.cast(count % SEQ_MODULO, tf.float32)
         row = tf.concat([tf.reshape(seq, [1]), vector], 0)
-        self._buffer.scatter_nd_update(tf.reshape(slot, [1, 1]), tf.reshape(row, [1, -1]))
+        # assign(tensor_scatter_nd_update(...)) rather than scatter_nd_update:
+        # distributed (mirrored) variables implement only assign.
+        self._buffer.assign(
+            tf.tensor_scatter_nd_update(
+                self._buffer.value(), tf.reshape(slot, [1, 1]), tf.reshape(row, [1, -1])
+            )
+        )
 
     # -- host side ---------------------------------------------------------------
 
-    def fetch(self) -> list[np.ndarray]:
-        """The rows written since the last fetch, oldest first (one transfer)."""
+    def fetch_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The steps written since the last fetch, oldest first (one transfer).
+
+        Each item is ``(stats vector, first_bad)``: ``first_bad[r]`` is the
+        ordinal of replica ``r``'s first non-finite diagnosed entry as that
+        replica saw it before the cross-replica reduction (the number of
+        diagnosed entries when it had none).
+        """
         if self._buffer is None:
             return []
-        rows = self._buffer.numpy()
+        rows = _first_local(self._buffer).numpy()
         seqs = rows[:, 0].astype(np.int64)
         ahead = (seqs - self._last_seq) % SEQ_MODULO
         fresh = [(a, i) for i, a in enumerate(ahead) if 0 < a <= self.capacity]
         fresh.sort()
         if fresh:
             self._last_seq = int(seqs[fresh[-1][1]])
-        return [rows[i, 1:] for _, i in fresh]
+        size = rows.shape[1] - 1 - self._replicas
+        return [(rows[i, 1 : 1 + size], rows[i, 1 + size :]) for _, i in fresh]
+
+    def fetch(self) -> list[np.ndarray]:
+        """The stats vectors written since the last fetch, oldest first."""
+        return [vector for vector, _ in self.fetch_rows()]
 
     def pre_step_state(self) -> tuple[list[np.ndarray], list[np.ndarray], Any]:
-        """(weights before the last step or [], flat batch, batch structure)."""
-        weights = [v.numpy() for v in self._shadows] if self._shadows else []
+        """(weights before the stashed step or [], flat batch, batch structure).
+
+        Under a distribution strategy the batch is this process's replicas'
+        shards, concatenated in replica order.
+        """
+        weights: list[np.ndarray] = []
+        if self._shadows:
+            # A replica-local copy; take the replica that copied last (with
+            # pre_step_weights="on_suspect" only a suspect replica copies).
+            counts = [int(c.numpy()) for c in _locals(self._shadow_count)]
+            best = int(np.argmax(counts))
+            weights = [_locals(v)[best].numpy() for v in self._shadows]
         batch = [_unstash(v) for v in self._batch_vars] if self._batch_vars else []
         return weights, batch, self._batch_structure
+
+    def stashed_steps(self) -> tuple[int | None, int | None]:
+        """(step of the stashed batch, step before which the weights were
+        copied), counted from 0 as the host counts steps; None if none yet."""
+
+        def step(var):
+            if var is None:
+                return None
+            count = max(int(c.numpy()) for c in _locals(var))
+            return count - 1 if count > 0 else None
+
+        return step(self._stash_count), step(self._shadow_count)
+
+    def not_watched(self) -> list[str]:
+        """Watched layers whose calls the step graph never saw, with why."""
+        return list(self.unwatched_layers or [])
+
+
+def _local_variable(initial, name: str) -> tf.Variable:
+    """A non-trainable variable each replica writes on its own (``ON_READ``).
+
+    Without a distribution strategy it is a plain variable.
+    """
+    return tf.Variable(
+        initial,
+        trainable=False,
+        name=name,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+def _locals(var) -> list:
+    """The per-replica components of ``var`` held by this process."""
+    values = getattr(var, "values", None)
+    if isinstance(values, (tuple, list)) and values:
+        return list(values)
+    return [var]
+
+
+def _first_local(var):
+    return _locals(var)[0]
 
 
 # The batch of the current step is kept in a fixed-shape variable (XLA cannot
@@ -380,10 +470,9 @@ def _stash_variable(t: tf.Tensor) -> tuple[tf.Variable, tf.Variable] | None:
         return None  # dynamic feature dims: not kept
     rows = shape[0] if shape.rank and shape[0] is not None else _DEFAULT_ROWS
     full = [rows] + list(shape[1:]) if shape.rank else []
-    keep = dict(trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
     return (
-        tf.Variable(tf.zeros(full, t.dtype), name="nanwatch_batch", **keep),
-        tf.Variable(tf.constant(0, tf.int32), name="nanwatch_batch_rows", **keep),
+        _local_variable(tf.zeros(full, t.dtype), "nanwatch_batch"),
+        _local_variable(tf.constant(0, tf.int32), "nanwatch_batch_rows"),
     )
 
 
@@ -406,8 +495,13 @@ def _unstash(slot) -> np.ndarray | None:
     if slot is None:
         return None
     var, rows = slot
-    value = var.numpy()
-    return value if value.ndim == 0 else value[: int(rows.numpy())]
+    shards = []
+    for value, n in zip(_locals(var), _locals(rows)):
+        value = value.numpy()
+        if value.ndim == 0:
+            return value
+        shards.append(value[: int(n.numpy())])
+    return shards[0] if len(shards) == 1 else np.concatenate(shards, 0)
 
 
 def _loss_fields(value) -> dict:

@@ -20,8 +20,10 @@ _KIND_TEXT = {"nan": "NaN", "inf": "Inf", "nan+inf": "NaN and Inf"}
 def load_provider(logdir: str):
     """A ``MultiplexerDataProvider`` over every run found under ``logdir``."""
     # Imported here: TensorBoard's event processing pulls in its I/O layer.
-    from tensorboard.backend.event_processing import data_provider
-    from tensorboard.backend.event_processing import plugin_event_multiplexer
+    from tensorboard.backend.event_processing import (
+        data_provider,
+        plugin_event_multiplexer,
+    )
 
     multiplexer = plugin_event_multiplexer.EventMultiplexer()
     multiplexer.AddRunsFromDirectory(logdir)

@@ -91,14 +91,33 @@ class StatsBuilder:
         self.schema = Schema()
         self._partials: dict[str, list[tf.Tensor]] = {g: [] for g in _GROUPS}
         self._layout: list[tuple[str, int]] = []  # vector slot -> (group, index)
+        # For each diagnosed entry, the indices of its nan and inf partials in
+        # the "sum" group: used for the per-replica view of where it went bad.
+        self._bad_slots: list[tuple[int, int]] = []
+        self.replica_first_bad: tf.Tensor | None = None
 
     def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields: dict) -> None:
         entry = self.schema.add(phase, kind, layer, tensor)
         ops = _HEADER_OPS if kind == "header" else _FIELD_OPS
+        slots = {}
         for name in entry.fields:
             group = ops[name]
-            self._layout.append((group, len(self._partials[group])))
+            slots[name] = len(self._partials[group])
+            self._layout.append((group, slots[name]))
             self._partials[group].append(_f32(fields[name]))
+        if kind != "header":
+            self._bad_slots.append((slots["nan"], slots["inf"]))
+
+    def _local_first_bad(self, sums: tf.Tensor) -> tf.Tensor:
+        """Ordinal (among diagnosed entries) of this replica's first non-finite
+        entry, before any cross-replica reduction; ``len(entries)`` if none."""
+        if not self._bad_slots:
+            return tf.constant(0.0)
+        nan_idx = tf.constant([n for n, _ in self._bad_slots], tf.int32)
+        inf_idx = tf.constant([i for _, i in self._bad_slots], tf.int32)
+        bad = (tf.gather(sums, nan_idx) + tf.gather(sums, inf_idx)) > 0
+        bad = tf.concat([bad, [True]], 0)
+        return tf.cast(tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32), tf.float32)
 
     def vector(self) -> tf.Tensor:
         """The packed float32 vector, reduced across replicas when needed."""
@@ -107,6 +126,8 @@ class StatsBuilder:
         }
         ctx = tf.distribute.get_replica_context()
         replicas = ctx.num_replicas_in_sync if ctx is not None else 1
+        local_first_bad = self._local_first_bad(stacked["sum"])
+        self.replica_first_bad = tf.reshape(local_first_bad, [1])
         if replicas > 1:
             sums = ctx.all_reduce(
                 tf.distribute.ReduceOp.SUM,
@@ -116,10 +137,16 @@ class StatsBuilder:
             stacked["sum"] = sums[:n_sum]
             stacked["sumsq"] = sums[n_sum : n_sum + n_sq]
             stacked["mean"] = sums[n_sum + n_sq :] / float(replicas)
-            extremes = ctx.all_gather(
-                tf.stack([tf.concat([-stacked["min"], stacked["max"]], 0)]), axis=0
+            # One all_gather carries the extremes and each replica's first
+            # non-finite entry (which replica went bad first).
+            gathered = ctx.all_gather(
+                tf.stack(
+                    [tf.concat([-stacked["min"], stacked["max"], [local_first_bad]], 0)]
+                ),
+                axis=0,
             )
-            extremes = tf.reduce_max(extremes, axis=0)
+            self.replica_first_bad = gathered[:, -1]
+            extremes = tf.reduce_max(gathered[:, :-1], axis=0)
             n_min = len(self._partials["min"])
             stacked["min"] = -extremes[:n_min]
             stacked["max"] = extremes[n_min:]

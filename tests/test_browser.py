@@ -4,7 +4,8 @@ A real ``tensorboard`` subprocess serves logs written by
 :func:`tb_nanwatch.synthetic.write_synthetic_run`; Playwright opens the tab and
 checks what a user sees. Set ``NANWATCH_TEST_LOGDIR`` to point the main test
 at other logs (the demo logs); ``NANWATCH_TEST_EXPECT`` (JSON
-``{"broken": run, "step": int, "layer": str, "healthy": run}``) then names the
+``{"broken": run, "step": int, "layer": str, "healthy": run}``, optionally
+``"stops_at_incident": true``) then names the
 expected incident, else it is read from the runs' own summaries.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -44,7 +44,9 @@ IFRAME = 'iframe[src*="plugin_entry.html?name=nanwatch"]'
 TIMEOUT_MS = 30_000
 
 pytestmark = [
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM}"),
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM}"
+    ),
     pytest.mark.timeout(300),
 ]
 
@@ -60,13 +62,26 @@ def _write_logs(logdir: Path) -> dict:
     from tb_nanwatch.synthetic import write_synthetic_run
 
     broken = write_synthetic_run(
-        str(logdir / "broken"), steps=400, num_layers=10, incident_step=250, incident_layer=3,
-        seed=1, snapshot_every=100,
+        str(logdir / "broken"),
+        steps=400,
+        num_layers=10,
+        incident_step=250,
+        incident_layer=3,
+        seed=1,
+        snapshot_every=100,
     )
-    write_synthetic_run(str(logdir / "healthy"), steps=400, num_layers=10, seed=2, snapshot_every=100)
+    write_synthetic_run(
+        str(logdir / "healthy"), steps=400, num_layers=10, seed=2, snapshot_every=100
+    )
     incident = broken["first_nonfinite"]
     assert incident is not None and incident["step"] == 250
-    return {"broken": "broken", "healthy": "healthy", "step": incident["step"], "layer": incident["layer"]}
+    return {
+        "broken": "broken",
+        "healthy": "healthy",
+        "step": incident["step"],
+        "layer": incident["layer"],
+        "stops_at_incident": True,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +115,16 @@ def tensorboard(logdir: Path, tmp: Path, path_prefix: str = "", want_runs: int =
     port = _free_port()
     log_path = tmp / f"tensorboard-{port}.log"
     cmd = [
-        sys.executable, "-m", "tensorboard.main",
-        "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port), "--load_fast=false",
+        sys.executable,
+        "-m",
+        "tensorboard.main",
+        "--logdir",
+        str(logdir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load_fast=false",
     ]
     if path_prefix:
         cmd += ["--path_prefix", path_prefix]
@@ -118,13 +141,19 @@ def tensorboard(logdir: Path, tmp: Path, path_prefix: str = "", want_runs: int =
                 runs = _get_json(f"{base}/data/plugin/nanwatch/runs")["runs"]
                 if len(runs) >= want_runs:
                     break
-            except (urllib.error.URLError, ConnectionError, OSError, ValueError, KeyError):
+            except (
+                urllib.error.URLError,
+                ConnectionError,
+                OSError,
+                ValueError,
+                KeyError,
+            ):
                 pass
             time.sleep(0.5)
-        else:
-            pass
         if proc.poll() is not None or not runs or len(runs) < want_runs:
-            pytest.fail(f"TensorBoard did not serve {want_runs} nanwatch runs (got {runs}):\n{log_path.read_text(errors='replace')[-4000:]}")
+            pytest.fail(
+                f"TensorBoard did not serve {want_runs} nanwatch runs (got {runs}):\n{log_path.read_text(errors='replace')[-4000:]}"
+            )
         yield base
     finally:
         proc.terminate()
@@ -164,7 +193,9 @@ class Watched:
         if msg.type == "error" and "/font-roboto/" in url and "plugin" not in url:
             return
         if msg.type == "error":
-            self.errors.append(f"console.error: {msg.text} @ {msg.location.get('url', '')}")
+            self.errors.append(
+                f"console.error: {msg.text} @ {msg.location.get('url', '')}"
+            )
 
     def _on_dialog(self, dialog):
         self.dialogs.append(dialog.message)
@@ -219,15 +250,31 @@ def test_nanwatch_tab_shows_the_incident(browser, watched, logs, tmp_path):
         card = frame.locator("#incident-card")
         card.locator("[data-field=step]").wait_for(timeout=TIMEOUT_MS)
         assert card.get_attribute("data-state") == "nonfinite"
-        assert card.locator("[data-field=step]").inner_text().strip() == str(expect["step"])
-        assert card.locator("[data-field=layer]").inner_text().strip() == (expect["layer"] or "(none)")
+        assert card.locator("[data-field=step]").inner_text().strip() == str(
+            expect["step"]
+        )
+        assert card.locator("[data-field=layer]").inner_text().strip() == (
+            expect["layer"] or "(none)"
+        )
 
         # Run selector: the broken run is flagged, the healthy one is healthy.
         sel = frame.locator("#run-selector")
-        assert sel.locator(f'.run-item[data-run="{expect["broken"]}"]').get_attribute("data-state") == "nonfinite"
+        assert (
+            sel.locator(f'.run-item[data-run="{expect["broken"]}"]').get_attribute(
+                "data-state"
+            )
+            == "nonfinite"
+        )
         if expect.get("healthy"):
-            assert sel.locator(f'.run-item[data-run="{expect["healthy"]}"]').get_attribute("data-state") == "healthy"
-            healthy_card = frame.locator(f'.run-panel[data-run="{expect["healthy"]}"] .incident-card')
+            assert (
+                sel.locator(f'.run-item[data-run="{expect["healthy"]}"]').get_attribute(
+                    "data-state"
+                )
+                == "healthy"
+            )
+            healthy_card = frame.locator(
+                f'.run-panel[data-run="{expect["healthy"]}"] .incident-card'
+            )
             healthy_card.locator(".card-title").wait_for(timeout=TIMEOUT_MS)
             assert healthy_card.get_attribute("data-state") == "healthy"
 
@@ -254,28 +301,50 @@ def test_nanwatch_tab_shows_the_incident(browser, watched, logs, tmp_path):
         table = frame.locator("#step-table")
         origin_box = origin.bounding_box()
         canvas_box = frame.locator("#heatmap canvas").bounding_box()
-        watched.page.mouse.click(origin_box["x"] + origin_box["width"] / 2, canvas_box["y"] + 3)
-        frame.locator(f'#step-table[data-state=ready][data-step="{expect["step"]}"]').wait_for(timeout=TIMEOUT_MS)
+        watched.page.mouse.click(
+            origin_box["x"] + origin_box["width"] / 2, canvas_box["y"] + 3
+        )
+        frame.locator(
+            f'#step-table[data-state=ready][data-step="{expect["step"]}"]'
+        ).wait_for(timeout=TIMEOUT_MS)
         assert table.locator("tbody tr").count() > 0
         assert table.locator("td.nonfinite").count() > 0
 
         # Clicking the timeline loads the clicked step (a table, or the nearest recorded steps).
         over = frame.locator("#timeline .u-over").bounding_box()
-        watched.page.mouse.move(over["x"] + over["width"] * 0.3, over["y"] + over["height"] / 2)
-        watched.page.mouse.click(over["x"] + over["width"] * 0.3, over["y"] + over["height"] / 2)
-        frame.locator("#step-table:not([data-step=\"%s\"])" % expect["step"]).wait_for(timeout=TIMEOUT_MS)
-        frame.locator("#step-table[data-state=ready], #step-table[data-state=missing]").wait_for(timeout=TIMEOUT_MS)
+        watched.page.mouse.move(
+            over["x"] + over["width"] * 0.3, over["y"] + over["height"] / 2
+        )
+        watched.page.mouse.click(
+            over["x"] + over["width"] * 0.3, over["y"] + over["height"] / 2
+        )
+        frame.locator(f'#step-table:not([data-step="{expect["step"]}"])').wait_for(
+            timeout=TIMEOUT_MS
+        )
+        frame.locator(
+            "#step-table[data-state=ready], #step-table[data-state=missing]"
+        ).wait_for(timeout=TIMEOUT_MS)
         if table.get_attribute("data-state") == "missing":
             # Follow the first suggested recorded step.
             suggestion = table.locator("button[data-step]").first
             step = suggestion.get_attribute("data-step")
             suggestion.click()
-            frame.locator(f'#step-table[data-state=ready][data-step="{step}"]').wait_for(timeout=TIMEOUT_MS)
+            frame.locator(
+                f'#step-table[data-state=ready][data-step="{step}"]'
+            ).wait_for(timeout=TIMEOUT_MS)
 
-        # Hover read-out of exact values (uPlot's live legend).
-        watched.page.mouse.move(over["x"] + over["width"] * 0.5, over["y"] + over["height"] / 2)
-        legend = frame.locator("#timeline .u-legend").inner_text()
-        assert "loss" in legend
+        # Hover read-out of exact values (uPlot's live legend); the run stopped
+        # at the incident, whose NaN loss is the last point.
+        watched.page.mouse.move(
+            over["x"] + over["width"] * 0.5, over["y"] + over["height"] / 2
+        )
+        assert "loss" in frame.locator("#timeline .u-legend").inner_text()
+        if expect.get("stops_at_incident"):
+            watched.page.mouse.move(
+                over["x"] + over["width"] - 1, over["y"] + over["height"] / 2
+            )
+            legend = frame.locator("#timeline .u-legend").inner_text()
+            assert str(expect["step"]) in legend and "NaN" in legend, legend
 
         # Zoom by dragging: the zoomed view is re-fetched exactly (bucket 1).
         y = over["y"] + over["height"] / 2
@@ -284,9 +353,19 @@ def test_nanwatch_tab_shows_the_incident(browser, watched, logs, tmp_path):
         watched.page.mouse.move(over["x"] + over["width"] * 0.5, y, steps=5)
         watched.page.mouse.move(over["x"] + over["width"] * 0.6, y, steps=5)
         watched.page.mouse.up()
-        frame.locator("#timeline[data-state=ready][data-bucket='1']").wait_for(timeout=TIMEOUT_MS)
-        start, end = int(timeline.get_attribute("data-start")), int(timeline.get_attribute("data-end"))
+        frame.locator("#timeline[data-state=ready][data-bucket='1']").wait_for(
+            timeout=TIMEOUT_MS
+        )
+        start, end = (
+            int(timeline.get_attribute("data-start")),
+            int(timeline.get_attribute("data-end")),
+        )
+        view = int(timeline.get_attribute("data-view-end")) - int(
+            timeline.get_attribute("data-view-start")
+        )
         frame.locator("#timeline [data-action=reset-zoom]").click()
+        frame.locator("#timeline[data-view-start='0']").wait_for(timeout=TIMEOUT_MS)
+        assert 0 < view < int(timeline.get_attribute("data-view-end"))
 
         ARTIFACTS.mkdir(exist_ok=True)
         watched.page.screenshot(path=str(ARTIFACTS / "nanwatch.png"), full_page=True)
@@ -300,14 +379,23 @@ def xss_logdir(tmp_path_factory) -> Path:
     from tb_nanwatch.synthetic import write_synthetic_run
 
     logdir = tmp_path_factory.mktemp("nanwatch_xss")
-    write_synthetic_run(str(logdir / XSS_RUN), steps=60, num_layers=3, incident_step=40, seed=3, snapshot_every=20)
+    write_synthetic_run(
+        str(logdir / XSS_RUN),
+        steps=60,
+        num_layers=3,
+        incident_step=40,
+        seed=3,
+        snapshot_every=20,
+    )
     return logdir
 
 
 def test_run_names_render_as_text(browser, watched, xss_logdir, tmp_path):
     with tensorboard(xss_logdir, tmp_path) as base:
         frame = watched.open_tab(base)
-        frame.locator("#incident-card[data-state=nonfinite]").wait_for(timeout=TIMEOUT_MS)
+        frame.locator("#incident-card[data-state=nonfinite]").wait_for(
+            timeout=TIMEOUT_MS
+        )
         frame.locator("#timeline[data-state=ready]").wait_for(timeout=TIMEOUT_MS)
         assert frame.locator(".run-name").first.inner_text() == XSS_RUN
         assert frame.locator(".run-title").first.inner_text() == XSS_RUN
@@ -321,8 +409,13 @@ def test_run_names_render_as_text(browser, watched, xss_logdir, tmp_path):
 def test_tab_loads_under_path_prefix(browser, watched, xss_logdir, tmp_path):
     with tensorboard(xss_logdir, tmp_path, path_prefix="/tb") as base:
         frame = watched.open_tab(base)
-        frame.locator("#incident-card[data-state=nonfinite]").wait_for(timeout=TIMEOUT_MS)
+        frame.locator("#incident-card[data-state=nonfinite]").wait_for(
+            timeout=TIMEOUT_MS
+        )
         frame.locator("#timeline[data-state=ready]").wait_for(timeout=TIMEOUT_MS)
         frame.locator("#heatmap[data-state=ready]").wait_for(timeout=TIMEOUT_MS)
-        assert frame.locator("#incident-card [data-field=step]").inner_text().strip() == "40"
+        assert (
+            frame.locator("#incident-card [data-field=step]").inner_text().strip()
+            == "40"
+        )
         assert watched.errors == [], watched.errors

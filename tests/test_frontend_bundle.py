@@ -8,6 +8,7 @@ missing toolchain into a failure instead of a skip.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -37,7 +38,9 @@ def _missing_toolchain() -> str | None:
 def test_bundle_files_exist():
     for name in BUNDLE_FILES:
         path = STATIC / name
-        assert path.is_file(), f"{path} missing: run `cd frontend && npm ci && npm run build`"
+        assert path.is_file(), (
+            f"{path} missing: run `cd frontend && npm ci && npm run build`"
+        )
         assert path.stat().st_size > 0
 
 
@@ -51,11 +54,14 @@ def test_bundle_is_not_stale(tmp_path):
     result = subprocess.run(
         ["npm", "run", "--silent", "build", "--", str(out)],
         cwd=FRONTEND,
+        check=False,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert result.returncode == 0, f"npm run build failed:\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"npm run build failed:\n{result.stdout}\n{result.stderr}"
+    )
     for name in BUNDLE_FILES:
         built = (out / name).read_bytes()
         committed = (STATIC / name).read_bytes()
@@ -66,13 +72,13 @@ def test_bundle_is_not_stale(tmp_path):
 
 
 def test_lockfile_pins_exact_versions():
-    import json
-
     package = json.loads((FRONTEND / "package.json").read_text())
     assert (FRONTEND / "package-lock.json").is_file()
     for section in ("dependencies", "devDependencies"):
         for name, version in package.get(section, {}).items():
-            assert re.fullmatch(r"\d+\.\d+\.\d+", version), f"{name}@{version} is not pinned exactly"
+            assert re.fullmatch(r"\d+\.\d+\.\d+", version), (
+                f"{name}@{version} is not pinned exactly"
+            )
     assert "uplot" in package["dependencies"]
     assert "esbuild" in package["devDependencies"]
 
@@ -88,7 +94,9 @@ _PROTOCOL_RELATIVE = re.compile(rb"""(?:url\(|["'`])\s*//[A-Za-z0-9]""")
 @pytest.mark.parametrize("name", BUNDLE_FILES)
 def test_bundle_fetches_nothing_remote(name):
     data = (STATIC / name).read_bytes()
-    found = [m.group(0) + data[m.end() : m.end() + 60] for m in _REMOTE_URL.finditer(data)]
+    found = [
+        m.group(0) + data[m.end() : m.end() + 60] for m in _REMOTE_URL.finditer(data)
+    ]
     assert not found, f"{name} mentions remote URLs (CDN?): {found[:5]}"
     assert not _PROTOCOL_RELATIVE.search(data), f"{name} has a protocol-relative URL"
 
@@ -96,13 +104,53 @@ def test_bundle_fetches_nothing_remote(name):
 @pytest.mark.parametrize("name", BUNDLE_FILES)
 def test_bundle_uses_relative_data_urls(name):
     data = (STATIC / name).read_bytes()
-    assert not _ABSOLUTE_DATA.search(data), f"{name} has an absolute /data/ URL (breaks --path_prefix)"
+    assert not _ABSOLUTE_DATA.search(data), (
+        f"{name} has an absolute /data/ URL (breaks --path_prefix)"
+    )
 
 
 def test_bundle_exports_render_and_loads_relative_stylesheet():
     js = (STATIC / "index.js").read_bytes()
-    assert re.search(rb"export\s*\{[^}]*\bas render\b|export\s*\{[^}]*\brender\b", js), "index.js must export render()"
+    assert re.search(
+        rb"export\s*\{[^}]*\bas render\b|export\s*\{[^}]*\brender\b", js
+    ), "index.js must export render()"
     assert b'"style.css"' in js, "index.js must load style.css by a relative URL"
     assert b"innerHTML" not in js, "render text with textContent, never innerHTML"
     css = (STATIC / "style.css").read_bytes()
     assert b".uplot" in css, "style.css must include uPlot's stylesheet"
+
+
+def test_revive_restores_non_finite_numbers_but_not_names():
+    """api.js: "NaN"/"Infinity"/"-Infinity" become numbers, except under name keys."""
+    node = shutil.which("node")
+    if node is None:
+        if _require_npm():
+            pytest.fail("NANWATCH_REQUIRE_NPM=1 but node is not on PATH")
+        pytest.skip("node is not on PATH")
+    script = """
+      import { revive } from "./src/api.js";
+      const out = revive({
+        columns: { loss: [1, "NaN", "Infinity", "-Infinity"] },
+        run: "NaN", layers: ["Infinity"], hints: [{ title: "NaN", evidence: { x: "NaN" } }],
+      });
+      console.log(JSON.stringify({
+        loss: out.columns.loss.map(String), run: out.run, layers: out.layers,
+        title: out.hints[0].title, evidence: String(out.hints[0].evidence.x),
+      }));
+    """
+    result = subprocess.run(
+        [node, "--input-type=module", "-e", script],
+        cwd=FRONTEND,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {
+        "loss": ["1", "NaN", "Infinity", "-Infinity"],
+        "run": "NaN",
+        "layers": ["Infinity"],
+        "title": "NaN",
+        "evidence": "NaN",
+    }

@@ -20,6 +20,8 @@
  * Zoom by dragging, pan with shift+drag or the arrow buttons, reset with a
  * double-click or the button. Every zoom re-fetches the visible range from
  * the server, so a zoomed view of at most 4000 steps is exact (bucket 1).
+ * Timelines created with the same `syncKey` (runs side by side) share the
+ * hover cursor and zoom/pan/reset together.
  */
 import uPlot from "uplot";
 import { fetchTimeline } from "./api.js";
@@ -28,6 +30,9 @@ import { fmt, nonFiniteKind } from "./format.js";
 
 const MAX_POINTS = 4000;
 const HEIGHT = 280;
+/** Timelines sharing a sync key zoom and pan together: syncKey -> Set of members. */
+const GROUPS = new Map();
+
 const COLORS = { nan: "#d000d0", marker: "#d62728", explosion: "#ff7f0e", selected: "#1565c0" };
 
 /** The plotted series: column name, label, scale and colour. */
@@ -218,7 +223,14 @@ export function createTimeline(container, opts) {
     container.dataset.end = String(tl.end);
     container.dataset.points = String(tl.steps.length);
     const exact = tl.bucket === 1 ? "exact" : `${tl.bucket} steps per point, extremes kept`;
-    info.textContent = `steps ${tl.start}–${tl.end - 1} of ${tl.total_steps} · ${exact}`;
+    let [a, b] = [tl.start, tl.end - 1];
+    if (u && Number.isFinite(u.scales.x.min)) {
+      a = Math.max(0, Math.ceil(u.scales.x.min));
+      b = Math.min(tl.total_steps - 1, Math.floor(u.scales.x.max));
+    }
+    container.dataset.viewStart = String(a);
+    container.dataset.viewEnd = String(b + 1);
+    info.textContent = `steps ${a}–${b} of ${tl.total_steps} · ${exact}`;
   }
 
   function rawValue(sidx, idx) {
@@ -327,7 +339,27 @@ export function createTimeline(container, opts) {
     setInfo();
   }
 
-  async function resetZoom() {
+  const member = {
+    applyRange(min, max) {
+      if (u) u.setScale("x", { min, max });
+    },
+    reset() {
+      resetZoom(false);
+    },
+  };
+  const group = syncKey ? GROUPS.get(syncKey) || new Set() : new Set();
+  if (syncKey) GROUPS.set(syncKey, group);
+  group.add(member);
+
+  /** Sets the x range on behalf of the user, and on the other timelines of the group. */
+  function userSetRange(min, max) {
+    if (!u || !(max > min)) return;
+    u.setScale("x", { min, max });
+    for (const other of group) if (other !== member) other.applyRange(min, max);
+  }
+
+  async function resetZoom(propagate = true) {
+    if (propagate) for (const other of group) if (other !== member) other.reset();
     requested = null;
     clearTimeout(refetchTimer);
     if (!full) return;
@@ -346,7 +378,7 @@ export function createTimeline(container, opts) {
     const total = tl.total_steps;
     let nmin = min + span * fraction;
     nmin = Math.max(0, Math.min(nmin, total - 1 - span));
-    u.setScale("x", { min: nmin, max: nmin + span });
+    userSetRange(nmin, nmin + span);
   }
 
   function makePlot(width) {
@@ -399,8 +431,9 @@ export function createTimeline(container, opts) {
         },
       ],
       cursor: {
-        drag: { x: true, y: false, setScale: true },
-        sync: syncKey ? { key: syncKey } : undefined,
+        drag: { x: true, y: false, setScale: false },
+        // Hover only: zoom and pan are shared through userSetRange.
+        sync: syncKey ? { key: syncKey, filters: { pub: (type) => !["mousedown", "mouseup", "dblclick"].includes(type) } } : undefined,
         bind: {
           mousedown: (self, targ, handler) => (e) => {
             downX = e.clientX;
@@ -420,7 +453,23 @@ export function createTimeline(container, opts) {
       hooks: {
         drawClear: [drawSkipped],
         draw: [drawOverlays],
-        setScale: [(self, key) => { if (key === "x" && full) scheduleRefetch(); }],
+        setScale: [
+          (self, key) => {
+            if (key !== "x" || !full) return;
+            setInfo();
+            scheduleRefetch();
+          },
+        ],
+        setSelect: [
+          (self) => {
+            const { left, width } = self.select;
+            if (width < 4) return;
+            const min = self.posToVal(left, "x");
+            const max = self.posToVal(left + width, "x");
+            self.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
+            userSetRange(min, max);
+          },
+        ],
       },
     };
     return new uPlot(plotOpts, toPlotData(tl), chartBox);
@@ -430,7 +479,7 @@ export function createTimeline(container, opts) {
     if (!panning || !u) return;
     const pxPerStep = u.bbox.width / uPlot.pxRatio / (panning.max - panning.min);
     const delta = (panning.x - e.clientX) / pxPerStep;
-    u.setScale("x", { min: panning.min + delta, max: panning.max + delta });
+    userSetRange(panning.min + delta, panning.max + delta);
   }
 
   function onMouseUp(e) {
@@ -477,12 +526,14 @@ export function createTimeline(container, opts) {
     },
     resetZoom,
     async zoomTo(start, end) {
-      u?.setScale("x", { min: start, max: end });
+      userSetRange(start, end);
     },
     destroy() {
       clearTimeout(refetchTimer);
       controller?.abort();
       resizeObserver?.disconnect();
+      group.delete(member);
+      if (syncKey && !group.size) GROUPS.delete(syncKey);
       window.removeEventListener("mousemove", onMouseMove);
       window.removeEventListener("mouseup", onMouseUp);
       u?.destroy();

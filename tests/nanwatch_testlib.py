@@ -1,0 +1,194 @@
+"""Helpers for the plugin, reader and report tests: runs, providers, clients.
+
+Runs are written by :func:`tb_nanwatch.synthetic.write_synthetic_run` (the real
+journal). Providers are built with TensorBoard's DEFAULT sampling (10 tensors
+per tag on the Python loader, 100 on the Rust data server).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import numpy as np
+from tensorboard import context
+from tensorboard.backend import application
+from tensorboard.plugins import base_plugin
+from werkzeug import test as werkzeug_test
+
+from tb_nanwatch import metadata
+from tb_nanwatch.journal import RunJournal
+from tb_nanwatch.plugin import NanWatchPlugin
+from tb_nanwatch.synthetic import build_schema, write_synthetic_run
+
+BIG_STEPS = 5000
+BIG_INCIDENT = 4321
+BIG_LAYER = 3
+HEALTHY_STEPS = 300
+XSS_RUN = "<img src=x onerror=alert(1)>"
+
+CTX = context.RequestContext()
+
+
+def write_standard_runs(logdir: str) -> dict[str, dict]:
+    """big (incident at BIG_INCIDENT), healthy, and a run with a hostile name."""
+    return {
+        "big": write_synthetic_run(
+            os.path.join(logdir, "big"),
+            BIG_STEPS,
+            incident_step=BIG_INCIDENT,
+            incident_layer=BIG_LAYER,
+        ),
+        "healthy": write_synthetic_run(os.path.join(logdir, "healthy"), HEALTHY_STEPS),
+        XSS_RUN: write_synthetic_run(os.path.join(logdir, XSS_RUN), 40, num_layers=3),
+    }
+
+
+def write_fast_series_run(log_dir: str, steps: int, num_layers: int = 4) -> dict:
+    """A long healthy run written chunk by chunk (the journal's own format),
+    much faster than recording step by step."""
+    schema = build_schema(num_layers)
+    journal = RunJournal(log_dir, schema, {"model": "fast"}, flush_secs=1e9)
+    width = len(journal.series_columns)
+    rng = np.random.default_rng(0)
+    for start in range(0, steps, metadata.CHUNK_STEPS):
+        rows = min(metadata.CHUNK_STEPS, steps - start)
+        chunk = rng.random((rows, width)).astype(np.float32)
+        chunk[:, journal.series_columns.index("nonfinite")] = 0
+        journal.writer.write_array(
+            metadata.series_tag(start // metadata.CHUNK_STEPS),
+            metadata.KIND_SERIES,
+            start,
+            chunk,
+        )
+    journal.steps = steps
+    journal.close()
+    return journal.summary()
+
+
+def base_vector(schema, step: int) -> np.ndarray:
+    """A healthy stats vector: loss = 1 + step / 1000, unit stats elsewhere."""
+    vector = np.zeros(schema.size, np.float32)
+    for entry in schema.entries:
+        if entry.kind in ("activation", "input", "logits"):
+            vector[entry.offset + 2 : entry.offset + 4] = (-1.0, 1.0)
+        elif entry.kind in ("grad_out", "grad_var", "grad_in", "loss"):
+            vector[entry.offset + 2] = 0.5
+    header = schema.header().offset
+    vector[header : header + 6] = (1.0 + step / 1000, 1.0, 1e-3, 0.0, 0.0, step)
+    return vector
+
+
+def write_vector_run(
+    log_dir: str,
+    steps: int,
+    edit=None,
+    num_layers: int = 3,
+    flush_every: int = 0,
+    **journal_kwargs,
+) -> dict:
+    """Records ``steps`` steps through the real journal; ``edit(step, vector,
+    schema)`` may change each vector. Stops at the first incident."""
+    schema = build_schema(num_layers)
+    journal = RunJournal(
+        log_dir, schema, {"model": "vectors"}, flush_secs=1e9, **journal_kwargs
+    )
+    status = "finished"
+    for step in range(steps):
+        vector = base_vector(schema, step)
+        if edit is not None:
+            edit(step, vector, schema)
+        if journal.record(step, step // 100, step % 100, vector) is not None:
+            status = "stopped"
+            break
+        if flush_every and step % flush_every == flush_every - 1:
+            journal.flush()
+    journal.close(status)
+    return journal.summary()
+
+
+def multiplexer_provider(logdir: str):
+    """TensorBoard's Python loader with its default sampling."""
+    from tensorboard.backend.event_processing import (
+        data_provider,
+        plugin_event_multiplexer,
+    )
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(logdir)
+    multiplexer.Reload()
+    return data_provider.MultiplexerDataProvider(multiplexer, logdir)
+
+
+def data_server_binary():
+    """The Rust data server binary, or None when it is not installed."""
+    from tensorboard.data import server_ingester
+
+    try:
+        return server_ingester.get_server_binary()
+    except server_ingester.NoDataServerError:
+        return None
+
+
+@contextlib.contextmanager
+def data_server_provider(logdir: str, expect_runs: int, timeout: float = 30.0):
+    """The Rust data server over ``logdir`` (default sampling), once loaded."""
+    from tensorboard.data import server_ingester
+    from tensorboard.util import grpc_util
+
+    ingester = server_ingester.SubprocessServerDataIngester(
+        data_server_binary(),
+        logdir,
+        reload_interval=0,
+        channel_creds_type=grpc_util.ChannelCredsType.LOCAL,
+    )
+    ingester.start()
+    try:
+        provider = ingester.data_provider
+        deadline = time.monotonic() + timeout
+        while True:
+            runs = provider.list_tensors(
+                CTX, experiment_id="", plugin_name=metadata.PLUGIN_NAME
+            )
+            loaded = [r for r, tags in runs.items() if metadata.TAG_RUN in tags]
+            if len(loaded) >= expect_runs or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        yield provider
+    finally:
+        # The server exits when its stdin closes (--die-after-stdin).
+        ingester._stdin_handle.close()
+
+
+def make_client(provider, logdir: str) -> werkzeug_test.Client:
+    """A werkzeug client on TensorBoard's WSGI app holding only our plugin."""
+    tb_context = base_plugin.TBContext(
+        data_provider=provider, logdir=logdir, sampling_hints={}
+    )
+    app = application.TensorBoardWSGI(
+        [NanWatchPlugin(tb_context)], data_provider=provider
+    )
+    return werkzeug_test.Client(app)
+
+
+def get_json(client: werkzeug_test.Client, url: str, status: int = 200):
+    """GETs ``url`` and returns its JSON body, checking status and headers."""
+    response = client.get(url)
+    assert response.status_code == status, (url, response.status_code, response.data)
+    assert response.headers["Content-Type"].startswith("application/json"), url
+    assert response.headers.get("X-Content-Type-Options") == "nosniff"
+    return strict_json(response.get_data(as_text=True))
+
+
+def _reject_constant(token: str):
+    raise AssertionError(f"non-standard JSON token {token}")
+
+
+def strict_json(text: str):
+    """Parses JSON, refusing NaN/Infinity tokens (browsers refuse them)."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+PLUGIN = "/data/plugin/nanwatch"

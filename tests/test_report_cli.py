@@ -1,0 +1,160 @@
+"""``tb-nanwatch report``: JSON shape, human output, exit codes."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import nanwatch_testlib as lib
+import pytest
+
+from tb_nanwatch import cli
+from tb_nanwatch.synthetic import write_synthetic_run
+
+RUN_KEYS = {"run", "steps", "first_nonfinite", "explosion", "skipped_steps"}
+INCIDENT_KEYS = {"step", "phase", "layer", "tensor", "kind"}
+
+
+def _skips(step, vector, schema):
+    header = schema.header().offset
+    vector[header + 3] = 1024.0  # loss scale
+    if step in (5, 6, 7, 12):
+        vector[header + 4] = 1.0  # skipped by the loss scaler
+        vector[header + 1] = float("inf")  # scaled gradient norm
+
+
+def _explodes(step, vector, schema):
+    if step >= 100:
+        vector[schema.header().offset] = 1e5
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report_logs")
+    write_synthetic_run(
+        str(root / "a" / "big"), 300, incident_step=250, incident_layer=3
+    )
+    write_synthetic_run(str(root / "healthy"), 50, num_layers=2)
+    lib.write_vector_run(str(root / "skips"), 40, _skips)
+    lib.write_vector_run(str(root / "explodes"), 130, _explodes)
+    return str(root)
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(list(argv), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_json_is_exactly_one_object_of_the_documented_shape(logdir):
+    code, out, _ = run_cli("report", logdir, "--json")
+    assert code == 0
+    body = json.loads(out)  # the whole stdout is one JSON document
+    assert out.count("\n") == 1
+    assert set(body) == {"runs"}
+    by_name = {r["run"]: r for r in body["runs"]}
+    assert [r["run"] for r in body["runs"]] == ["a/big", "explodes", "healthy", "skips"]
+    for run in body["runs"]:
+        assert set(run) == RUN_KEYS
+        assert isinstance(run["steps"], int)
+        assert isinstance(run["skipped_steps"], list)
+    assert by_name["a/big"] == {
+        "run": "a/big",
+        "steps": 251,
+        "first_nonfinite": {
+            "step": 250,
+            "phase": "forward",
+            "layer": "model/block0/layer3",
+            "tensor": "output of model/block0/layer3",
+            "kind": "nan",
+        },
+        "explosion": None,
+        "skipped_steps": [],
+    }
+    assert set(by_name["a/big"]["first_nonfinite"]) == INCIDENT_KEYS
+    assert by_name["healthy"] == {
+        "run": "healthy",
+        "steps": 50,
+        "first_nonfinite": None,
+        "explosion": None,
+        "skipped_steps": [],
+    }
+    assert by_name["skips"]["skipped_steps"] == [5, 6, 7, 12]
+    assert by_name["skips"]["first_nonfinite"] is None
+    assert by_name["explodes"]["explosion"] == {"step": 100, "signal": "loss"}
+    assert by_name["explodes"]["first_nonfinite"] is None
+
+
+def test_a_logdir_that_is_itself_a_run_is_reported_as_dot(logdir):
+    code, out, _ = run_cli("report", os.path.join(logdir, "healthy"), "--json")
+    assert code == 0
+    assert [r["run"] for r in json.loads(out)["runs"]] == ["."]
+
+
+def test_human_output(logdir):
+    code, out, _ = run_cli("report", logdir)
+    assert code == 0
+    blocks = {block.split(":")[0]: block for block in out.strip().split("\n\n")}
+    assert set(blocks) == {"run a/big", "run explodes", "run healthy", "run skips"}
+    big = blocks["run a/big"]
+    assert "first non-finite: NaN at step 250 (epoch 0, batch 250)" in big
+    assert "phase forward, layer model/block0/layer3" in big
+    assert "output of model/block0/layer3" in big
+    assert "skipped steps: 0" in big
+    assert "healthy: no NaN/Inf recorded" in blocks["run healthy"]
+    assert "explosion onset: none" in blocks["run healthy"]
+    assert "explosion onset: step 100 (loss)" in blocks["run explodes"]
+    assert "hint: Training is exploding" in blocks["run explodes"]
+    assert "skipped steps: 4" in blocks["run skips"]
+
+
+def test_empty_logdir_reads_fine(tmp_path):
+    code, out, _ = run_cli("report", str(tmp_path))
+    assert code == 0 and "no NaN Watch runs" in out
+    code, out, _ = run_cli("report", str(tmp_path), "--json")
+    assert code == 0 and json.loads(out) == {"runs": []}
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_bad_path_exits_2_with_a_message(tmp_path, kind):
+    path = tmp_path / "nope"
+    if kind == "file":
+        path.write_text("not a directory")
+    code, out, err = run_cli("report", str(path), "--json")
+    assert code == 2
+    assert out == ""
+    assert str(path) in err
+    assert ("does not exist" if kind == "missing" else "not a directory") in err
+
+
+def test_usage_errors_exit_2():
+    with pytest.raises(SystemExit) as raised:
+        cli.main([], out=io.StringIO(), err=io.StringIO())
+    assert raised.value.code == 2
+
+
+def test_console_script(logdir, tmp_path):
+    script = shutil.which("tb-nanwatch")
+    command = [script] if script else [sys.executable, "-m", "tb_nanwatch.cli"]
+    done = subprocess.run(
+        [*command, "report", logdir, "--json"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["runs"]) == 4
+    done = subprocess.run(
+        [*command, "report", str(tmp_path / "missing")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "does not exist" in done.stderr and done.stdout == ""
