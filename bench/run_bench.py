@@ -356,8 +356,8 @@ def plugin_lines(p: dict) -> list[str]:
         f"{p['event_bytes'] / 2**20:.1f} MiB of event files.",
         "",
         "| data provider | load until runs route lists it (s) | timeline median ms | "
-        "timeline max ms | incident median ms | incident max ms | TensorBoard RSS MiB | "
-        "data server RSS MiB |",
+        "timeline max ms | incident median ms | incident max ms | TensorBoard RSS MiB "
+        "(empty logdir) | data server RSS MiB (empty logdir) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in p["servers"]:
@@ -367,8 +367,9 @@ def plugin_lines(p: dict) -> list[str]:
         lines.append(
             f"| {s['mode']} | {fmt(s.get('load_s'), '.1f')} | {fmt(s.get('timeline_median_ms'), '.0f')} | "
             f"{fmt(s.get('timeline_max_ms'), '.0f')} | {fmt(s.get('incident_median_ms'), '.0f')} | "
-            f"{fmt(s.get('incident_max_ms'), '.0f')} | {fmt(s.get('tb_rss_mib'), '.0f')} | "
-            f"{fmt(s.get('server_rss_mib'), '.0f', '-')} |"
+            f"{fmt(s.get('incident_max_ms'), '.0f')} | {fmt(s.get('tb_rss_mib'), '.0f')} "
+            f"({fmt(s.get('empty_tb_rss_mib'), '.0f')}) | "
+            f"{fmt(s.get('server_rss_mib'), '.0f', '-')} ({fmt(s.get('empty_server_rss_mib'), '.0f', '-')}) |"
         )
     lines.append("")
     for s in p["servers"]:

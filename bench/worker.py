@@ -244,6 +244,41 @@ def setup_tool(tool: str, workdir: str) -> tuple[list, dict]:
     raise ValueError(f"unknown tool {tool!r}")
 
 
+def apply_patches(patches: list[str]) -> None:
+    """Profiling experiments: switch parts of NanWatch off to price them."""
+    import tensorflow as tf
+
+    for patch in patches:
+        if patch == "before":  # another copy of the package (NWBENCH_BEFORE_PATH)
+            sys.path.insert(0, os.environ["NWBENCH_BEFORE_PATH"])
+            sys.modules.pop("tb_nanwatch", None)
+        elif patch == "nocounts":  # in-graph nan/inf counts replaced by constants
+            from tb_nanwatch import step_stats
+
+            step_stats.count_nan = lambda t: tf.constant(0.0)
+            step_stats.count_inf = lambda t: tf.constant(0.0)
+        elif patch == "nohost":  # no host-side work after the step (no fetch, no journal)
+            from tb_nanwatch import callback
+
+            callback.NanWatch.on_train_batch_end = lambda self, batch, logs=None: None
+        elif patch == "nojournal":  # fetch the row, but do not record it
+            from tb_nanwatch import journal
+
+            journal.RunJournal.record = lambda self, *a, **k: None
+        elif patch == "noweights":  # pre-step weight copy off
+            from tb_nanwatch import callback
+
+            init = callback.NanWatch.__init__
+
+            def patched(self, *a, **k):
+                k["pre_step_weights"] = "off"
+                init(self, *a, **k)
+
+            callback.NanWatch.__init__ = patched
+        else:
+            raise ValueError(f"unknown patch {patch!r}")
+
+
 def count_transfers():
     """Counts EagerTensor -> numpy conversions (device-to-host reads)."""
     from tensorflow.python.framework import ops
@@ -262,7 +297,8 @@ def count_transfers():
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--tool", required=True, choices=TOOLS)
+    parser.add_argument("--tool", required=True,
+                        help=f"one of {TOOLS}, optionally +patch+patch (profiling experiments)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=5)
@@ -280,6 +316,11 @@ def main() -> None:
     import tensorflow as tf
 
     keras.utils.set_random_seed(0)
+    tool, *patches = args.tool.split("+")
+    if tool not in TOOLS:
+        parser.error(f"unknown tool {tool!r}")
+    args.tool = tool
+    apply_patches(patches)
     spec = parse_model(args.model)
     callbacks, info = setup_tool(args.tool, workdir)
     model, x, y = build(spec)
@@ -348,6 +389,7 @@ def main() -> None:
         "wall_s": time.perf_counter() - started,
         "error": error,
         "rss_kib": vm_rss_kib(),
+        "package": getattr(sys.modules.get("tb_nanwatch"), "__file__", None),
     }
     if "log_dir" in info:
         watcher = callbacks[0]

@@ -35,7 +35,8 @@ def _rebuild(structure: Any, flat: list[np.ndarray]) -> Any:
 
     def build(node):
         if isinstance(node, dict):
-            return {k: build(v) for k, v in node.items()}
+            # tf.nest flattens dicts in sorted key order.
+            return {k: build(node[k]) for k in sorted(node)}
         if isinstance(node, list):
             return [build(v) for v in node]
         if node is None:

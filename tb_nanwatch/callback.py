@@ -46,14 +46,15 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tb_nanwatch import bundle, diagnosis
-from tb_nanwatch.event_writer import RunWriter
+from tb_nanwatch.host import (
+    WatchHost,
+    WatchOptions,
+    base_run_info,
+)
 from tb_nanwatch.journal import RunJournal
-from tb_nanwatch.recorder import PRE_STEP_WEIGHTS, StepRecorder
+from tb_nanwatch.recorder import StepRecorder
 
 logger = logging.getLogger("tb_nanwatch")
-
-ON_NONFINITE = ("stop", "raise", "continue")
 
 
 class NonFiniteError(RuntimeError):
@@ -87,13 +88,6 @@ def check_writable(log_dir: str, argument: str = "log_dir") -> None:
         raise ValueError(f"{argument} {log_dir!r} is not writable: {error}") from None
 
 
-def _positive_int(name: str, value, allow_zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
-        bound = ">= 0" if allow_zero else ">= 1"
-        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
-    return value
-
-
 class NanWatch(keras.callbacks.Callback):
     """Records where NaN/Inf is born during ``fit``; writes it for TensorBoard.
 
@@ -107,6 +101,9 @@ class NanWatch(keras.callbacks.Callback):
             and written with the incident.
         max_consecutive_skips: mixed-precision steps skipped by the loss scaler
             in a row before it counts as an incident (0: never).
+        min_loss_scale: a skipped step whose loss scale has fallen below this
+            floor is an incident (float16 cannot hold even the unscaled
+            gradients); 0 turns the check off.
         snapshot_every: write a full per-layer snapshot every N steps (0: never).
         flush_secs: flush the on-disk record at least this often.
         pre_step_weights: ``"every_step"`` keeps an on-device copy of the
@@ -127,23 +124,22 @@ class NanWatch(keras.callbacks.Callback):
         flush_secs: float = 10.0,
         pre_step_weights: str = "every_step",
         explosion_factor: float = 1e3,
+        min_loss_scale: float = 1.0,
     ) -> None:
         super().__init__()
-        if on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
-        if pre_step_weights not in PRE_STEP_WEIGHTS:
-            raise ValueError(
-                f"pre_step_weights must be one of {PRE_STEP_WEIGHTS}, got {pre_step_weights!r}"
-            )
-        self.window = _positive_int("window", window)
-        self.max_consecutive_skips = _positive_int(
-            "max_consecutive_skips", max_consecutive_skips, allow_zero=True
+        self.options = WatchOptions(
+            on_nonfinite=on_nonfinite,
+            window=window,
+            max_consecutive_skips=max_consecutive_skips,
+            min_loss_scale=min_loss_scale,
+            snapshot_every=snapshot_every,
+            flush_secs=flush_secs,
+            pre_step_weights=pre_step_weights,
+            explosion_factor=explosion_factor,
         )
-        self.snapshot_every = _positive_int("snapshot_every", snapshot_every, allow_zero=True)
-        if not isinstance(flush_secs, (int, float)) or flush_secs <= 0:
-            raise ValueError(f"flush_secs must be a positive number, got {flush_secs!r}")
-        if not isinstance(explosion_factor, (int, float)) or explosion_factor <= 10:
-            raise ValueError(f"explosion_factor must be a number > 10, got {explosion_factor!r}")
+        self.window = window
+        self.max_consecutive_skips = max_consecutive_skips
+        self.snapshot_every = snapshot_every
         check_writable(log_dir)
         self.log_dir = log_dir
         self.on_nonfinite = on_nonfinite
@@ -153,6 +149,7 @@ class NanWatch(keras.callbacks.Callback):
         self.incident: dict | None = None
         self.journal: RunJournal | None = None
         self._recorder: StepRecorder | None = None
+        self._host: WatchHost | None = None
         self._disabled = False
         self._siblings: list = []
         self._step = 0
@@ -184,7 +181,7 @@ class NanWatch(keras.callbacks.Callback):
             try:  # Keras skipped on_train_end; see tb_nanwatch.crash_safety
                 self.journal.close("raised")
             except Exception as error:  # noqa: BLE001
-                warnings.warn(f"NanWatch could not close the previous record: {error!r}")
+                warnings.warn(f"NanWatch could not close the previous record: {error!r}", stacklevel=2)
         self.journal = None
         try:
             self._recorder = StepRecorder(
@@ -193,6 +190,13 @@ class NanWatch(keras.callbacks.Callback):
                 pre_step_weights=self.pre_step_weights,
             )
             self._recorder.install()
+            self._host = WatchHost(
+                self.log_dir,
+                self._recorder,
+                self.options,
+                base_run_info(self._recorder, model, model.optimizer, self.options),
+                lambda: model.trainable_weights,
+            )
             object.__setattr__(model, "train_step", self._recorder.keras_train_step)
             model.make_train_function(force=True)
         except Exception as error:  # noqa: BLE001 - never break the user's fit
@@ -202,6 +206,8 @@ class NanWatch(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None) -> None:
         self._epoch = epoch
         self._batch_in_epoch = 0
+        if self._host is not None:
+            self._host.begin_epoch(epoch)
 
     def on_train_batch_end(self, batch, logs=None) -> None:
         if self._disabled or self._recorder is None:
@@ -230,42 +236,23 @@ class NanWatch(keras.callbacks.Callback):
     # -- recording -------------------------------------------------------------
 
     def _record_new_steps(self) -> dict | None:
-        rows = self._recorder.fetch()
-        if rows and self.journal is None:
-            self.journal = self._open_journal()
-        first_incident = None
-        for row in rows:
-            incident = self.journal.record(self._step, self._epoch, self._batch_in_epoch, row)
-            self._step += 1
-            self._batch_in_epoch += 1
-            if incident is not None and first_incident is None:
-                first_incident = incident
-        return first_incident
-
-    def _open_journal(self) -> RunJournal:
-        recorder = self._recorder
-        model = self.model
-        run_info = {
-            "model": model.name,
-            "framework": f"keras {keras.__version__} / tensorflow {tf.__version__}",
-            "layers": recorder.tapped_layers,
-            "optimizer": type(model.optimizer).__name__,
-            "jit_compile": bool(getattr(model, "jit_compile", False)),
-            "steps_per_execution": recorder.capacity,
-            "replicas": model.distribute_strategy.num_replicas_in_sync,
-            "on_nonfinite": self.on_nonfinite,
-        }
-        return RunJournal(
-            self.log_dir,
-            recorder.schema,
-            run_info,
-            window=self.window,
-            snapshot_every=self.snapshot_every,
-            max_consecutive_skips=self.max_consecutive_skips,
-            flush_secs=self.flush_secs,
-            explosion=diagnosis.ExplosionDetector(factor=self.explosion_factor),
-            writer=RunWriter(self.log_dir),
-        )
+        # With steps_per_execution > 1 this runs once per execution and
+        # records every step of it (the device buffer holds one row a step).
+        host = self._host
+        opened = host.journal is not None
+        incident = host.record_new_steps()
+        self.journal, self._step = host.journal, host.step
+        self._batch_in_epoch = host.batch_in_epoch
+        if not opened and host.journal is not None:
+            not_watched = self._recorder.not_watched()
+            if not_watched:
+                logger.warning(
+                    "NanWatch does not watch these layers one by one (their calls run inside "
+                    "an inner loop or function, e.g. an RNN cell, or they were not called in "
+                    "training); the layer around them is watched: %s",
+                    ", ".join(not_watched),
+                )
+        return incident
 
     def _on_incident(self, incident: dict) -> None:
         self.incident = incident
@@ -284,23 +271,7 @@ class NanWatch(keras.callbacks.Callback):
             raise NonFiniteError(incident)
 
     def _save_bundle(self, incident: dict) -> None:
-        weights, batch, structure = self._recorder.pre_step_state()
-        last_step = self._step - 1
-        names = [v.path for v in self.model.trainable_weights]
-        exact = last_step == incident["step"]
-        info = {
-            "weights_before_step": last_step if weights else None,
-            "batch_of_step": last_step,
-            "exact": exact,
-            "pre_step_weights": self.pre_step_weights,
-            "incident": incident,
-        }
-        if self.pre_step_weights == "on_suspect" and incident["phase"] == "update":
-            weights, info["weights_before_step"] = [], None
-        relative = bundle.save_bundle(
-            self.log_dir, incident["step"], dict(zip(names, weights)), batch, structure, info
-        )
-        self.journal.set_repro_bundle(relative)
+        self._host.save_bundle(incident)
 
     def _protect_siblings(self, incident: dict) -> None:
         """Keeps BackupAndRestore's last good backup when we stop training.

@@ -93,7 +93,75 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print one JSON object instead of text"
     )
     report.set_defaults(handler=_report)
+    _add_export_command(commands)
     return parser
+
+
+# -- export (tb_nanwatch/export.py) ------------------------------------------
+
+
+def _export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    problem = _check_logdir(args.logdir)
+    if problem:
+        print(f"tb-nanwatch export: error: {problem}", file=err)
+        return EXIT_USAGE
+    from tb_nanwatch import export
+
+    try:
+        result = export.export(
+            args.logdir,
+            args.output,
+            runs=args.run or None,
+            max_points=args.max_points,
+            max_step_tables=args.max_step_tables,
+        )
+    except (export.ExportError, OSError) as error:
+        print(f"tb-nanwatch export: error: {error}", file=err)
+        return EXIT_USAGE
+    count = len(result["runs"])
+    print(
+        f"wrote {args.output} ({result['bytes'] / 1e6:.1f} MB, {count} run{'s' * (count != 1)}); "
+        "open it in a browser, no server or network needed",
+        file=out,
+    )
+    return EXIT_OK
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def _add_export_command(commands) -> None:
+    from tb_nanwatch.export import DEFAULT_MAX_POINTS, DEFAULT_MAX_STEP_TABLES
+
+    export = commands.add_parser(
+        "export",
+        help="write the runs of a log directory as one self-contained HTML file",
+        description="Writes one HTML file holding the NaN Watch view (timeline, "
+        "heatmap, incident card, per-layer tables) of the runs under LOGDIR, "
+        "data included: it opens by double-click, offline, without TensorBoard.",
+    )
+    export.add_argument("logdir", metavar="LOGDIR", help="TensorBoard log directory")
+    export.add_argument("-o", "--output", required=True, metavar="FILE.html", help="file to write")
+    export.add_argument(
+        "--run", action="append", metavar="RUN", help="export only this run (repeatable)"
+    )
+    export.add_argument(
+        "--max-points",
+        type=_positive,
+        default=DEFAULT_MAX_POINTS,
+        help=f"timeline points per run; longer runs are reduced (default {DEFAULT_MAX_POINTS})",
+    )
+    export.add_argument(
+        "--max-step-tables",
+        type=_positive,
+        default=DEFAULT_MAX_STEP_TABLES,
+        help=f"per-layer step tables per run (default {DEFAULT_MAX_STEP_TABLES})",
+    )
+    export.set_defaults(handler=_export)
 
 
 def main(

@@ -74,8 +74,11 @@ def close_all(status: str) -> None:
         try:
             journal.close(status)
         except Exception as error:  # noqa: BLE001 - keep closing the others
-            logger.warning("NanWatch could not close the record in %s: %r",
-                           getattr(journal.writer, "log_dir", "?"), error)
+            logger.warning(
+                "NanWatch could not close the record in %s: %r",
+                getattr(journal.writer, "log_dir", "?"),
+                error,
+            )
             unwatch(journal)
 
 
@@ -127,10 +130,7 @@ def _at_exit() -> None:
 
 
 def _due(journal, now: float) -> bool:
-    return (
-        getattr(journal, "dirty", False)
-        and now - journal.last_flush_time >= journal.flush_secs
-    )
+    return getattr(journal, "dirty", False) and now - journal.last_flush_time >= journal.flush_secs
 
 
 def flush_due(now: float | None = None) -> int:

@@ -5,9 +5,9 @@ Pure Python and NumPy: used by the recorder while training and by readers.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
-import statistics
 
 import numpy as np
 
@@ -35,19 +35,44 @@ def find_origin(schema: Schema, vector: np.ndarray) -> dict | None:
     non-zero NaN or Inf count is the one whose predecessors are all finite.
     Returns ``{"phase", "layer", "tensor", "kind"}`` or None if all finite.
     """
-    for entry in schema.entries:
-        if entry.phase not in PHASES:
-            continue
-        kind = nonfinite_kind(vector[entry.offset], vector[entry.offset + 1])
-        if kind is not None:
-            return {
-                "phase": entry.phase,
-                # The loss belongs to no layer; the tensor text names the output.
-                "layer": None if entry.phase == "loss" else entry.layer,
-                "tensor": entry.tensor,
-                "kind": kind,
-            }
-    return None
+    entries, nan_index, inf_index = _diagnosed_index(schema)
+    if not entries:
+        return None
+    vector = np.asarray(vector)
+    # One vectorized pass (this runs every training step): a count is
+    # "non-zero" exactly as in nonfinite_kind (a NaN count is non-zero too).
+    bad = (vector[nan_index] != 0) | (vector[inf_index] != 0)
+    if not bad.any():
+        return None
+    entry = entries[int(bad.argmax())]
+    kind = nonfinite_kind(vector[entry.offset], vector[entry.offset + 1])
+    return {
+        "phase": entry.phase,
+        # The loss belongs to no layer; the tensor text names the output.
+        "layer": None if entry.phase == "loss" else entry.layer,
+        "tensor": entry.tensor,
+        "kind": kind,
+    }
+
+
+_INDEX_ATTR = "_diagnosis_index"
+
+
+def _diagnosed_index(schema: Schema) -> tuple[list, np.ndarray, np.ndarray]:
+    """The diagnosed entries of ``schema`` and the vector offsets of their
+    nan and inf counts, cached on the schema (rebuilt if it grew)."""
+    key = (len(schema.entries), schema.size)
+    cached = getattr(schema, _INDEX_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    entries = [e for e in schema.entries if e.phase in PHASES]
+    nan_index = np.array([e.offset for e in entries], np.intp)
+    index = (entries, nan_index, nan_index + 1)
+    try:
+        setattr(schema, _INDEX_ATTR, (key, index))
+    except AttributeError:
+        pass
+    return index
 
 
 def step_is_finite(schema: Schema, vector: np.ndarray) -> bool:
@@ -114,9 +139,38 @@ class ExplosionDetector:
         return None
 
 
+class _RunningMedian:
+    """The median of the last ``window`` values, O(window) per update.
+
+    Same value as ``statistics.median`` of those values (kept sorted with
+    ``bisect`` instead of sorted again at every step).
+    """
+
+    def __init__(self, window: int) -> None:
+        self.maxlen = window
+        self._order: collections.deque[float] = collections.deque()
+        self._sorted: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def append(self, value: float) -> None:
+        if len(self._order) == self.maxlen:
+            old = self._order.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._order.append(value)
+        bisect.insort(self._sorted, value)
+
+    def median(self) -> float:
+        s, n = self._sorted, len(self._sorted)
+        if n % 2:
+            return s[n // 2]
+        return (s[n // 2 - 1] + s[n // 2]) / 2
+
+
 class _SignalTrack:
     def __init__(self, window: int, history: int) -> None:
-        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+        self.recent = _RunningMedian(window)
         self.history: collections.deque[tuple[int, float]] = collections.deque(maxlen=history)
         self.initial: float | None = None
         self.lowest = math.inf
@@ -126,7 +180,7 @@ class _SignalTrack:
         self.history.append((step, value))
         reference = None
         if len(self.recent) == self.recent.maxlen:
-            median = statistics.median(self.recent)
+            median = self.recent.median()
             if self.initial is None:
                 self.initial = median
             self.lowest = min(self.lowest, median)

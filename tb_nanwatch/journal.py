@@ -94,6 +94,10 @@ class RunJournal:
         self.series_columns = list(SERIES_BASE_COLUMNS) + [
             f"loss/{e.layer}" for e in self._outputs
         ]
+        # Vector offsets read every step (precomputed: record() runs per step).
+        self._output_index = np.array([e.offset + 2 for e in self._outputs], np.intp)
+        self._logit_min_index = np.array([e.offset + 2 for e in self._logits], np.intp)
+        self._logit_max_index = self._logit_min_index + 1
         self._chunk_rows: list[np.ndarray] = []
         self._chunk_start = 0
         self._ring = np.zeros((max(window, 1), schema.size), np.float32)
@@ -141,7 +145,10 @@ class RunJournal:
         loss, grad_norm, lr, loss_scale, skipped, iterations = vector[h : h + 6]
         logit_min, logit_max = self._logit_extremes(vector)
         origin = diagnosis.find_origin(self.schema, vector)
-        row = [
+        # One row of the compact series, columns as in SERIES_BASE_COLUMNS
+        # followed by the per-output losses.
+        row = np.empty(len(SERIES_BASE_COLUMNS) + len(self._output_index), np.float32)
+        row[: len(SERIES_BASE_COLUMNS)] = (
             loss,
             grad_norm,
             logit_min,
@@ -153,10 +160,11 @@ class RunJournal:
             iterations,
             epoch,
             batch,
-        ] + [vector[e.offset + 2] for e in self._outputs]
+        )
+        row[len(SERIES_BASE_COLUMNS) :] = vector[self._output_index]
         if not self._chunk_rows:
             self._chunk_start = step
-        self._chunk_rows.append(np.asarray(row, np.float32))
+        self._chunk_rows.append(row)
         self.steps = step + 1
 
         if self.snapshot_every and step % self.snapshot_every == 0:
@@ -192,9 +200,10 @@ class RunJournal:
     def _logit_extremes(self, vector: np.ndarray) -> tuple[float, float]:
         if not self._logits:
             return math.nan, math.nan
-        mins = [vector[e.offset + 2] for e in self._logits]
-        maxs = [vector[e.offset + 3] for e in self._logits]
-        return float(np.min(mins)), float(np.max(maxs))
+        return (
+            float(np.min(vector[self._logit_min_index])),
+            float(np.max(vector[self._logit_max_index])),
+        )
 
     def _diagnose(self, step, epoch, batch, vector, origin, skipped, extra=None) -> dict | None:
         if skipped:

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Mapping
 
 import numpy as np
+from tensorboard import errors
 from tensorboard.data import provider
 
 from tb_nanwatch import metadata
@@ -54,7 +55,7 @@ def _warn_once(run: str, reason: str) -> None:
         if len(_warned) > 10_000:
             _warned.clear()
         _warned.add(key)
-    logger.warning("nanwatch: skipping run %r: %s", run, reason)
+    logger.warning("nanwatch: skipping run %r: %s", run, " ".join(reason.split("\n")))
 
 
 def _tag_kind(tag: str) -> str | None:
@@ -193,21 +194,46 @@ def parse_summary(raw: object) -> tuple[dict, Schema]:
     columns = raw.get("series_columns")
     if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
         raise UnreadableError("series_columns missing or malformed")
-    if not isinstance(raw.get("steps"), int) or raw["steps"] < 0:
+    steps = raw.get("steps")
+    if not _is_step(steps):
         raise UnreadableError("steps missing or not a non-negative integer")
     for key in ("first_nonfinite", "explosion"):
         if not isinstance(raw.get(key), (dict, type(None))):
             raise UnreadableError(f"{key} is neither an object nor null")
+    _check_event(raw.get("first_nonfinite"), "first_nonfinite", {"phase": str}, (str, type(None)))
+    _check_event(raw.get("explosion"), "explosion", {"signal": str}, None)
     ranges = raw.get("skipped_ranges", [])
     if not isinstance(ranges, list) or not all(
         isinstance(r, list)
         and len(r) == 2
-        and all(isinstance(x, int) for x in r)
-        and 0 <= r[0] <= r[1]
+        and all(_is_step(x) for x in r)
+        and 0 <= r[0] <= r[1] < max(steps, 1)
         for r in ranges
     ):
         raise UnreadableError("skipped_ranges malformed")
+    if sum(last - first + 1 for first, last in ranges) > steps:
+        raise UnreadableError("skipped_ranges hold more steps than the run")
     return raw, schema
+
+
+MAX_STEP = 2**53 - 1  # the largest integer a JSON number holds exactly
+
+
+def _is_step(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEP
+
+
+def _check_event(event: dict | None, key: str, fields: dict, layer_types) -> None:
+    """An incident / explosion object: an integer step and text fields."""
+    if event is None:
+        return
+    if not _is_step(event.get("step")):
+        raise UnreadableError(f"{key} has no valid step")
+    for name, kind in fields.items():
+        if not isinstance(event.get(name), kind):
+            raise UnreadableError(f"{key}.{name} is not a {kind.__name__}")
+    if layer_types is not None and not isinstance(event.get("layer"), layer_types):
+        raise UnreadableError(f"{key}.layer is neither text nor null")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +280,28 @@ def _read(
     )
 
 
+def _list_tensors_run_by_run(data_provider, ctx, experiment_id, runs) -> dict:
+    """``list_tensors`` one run at a time, leaving out (with a warning) the
+    runs the provider fails on; e.g. TensorBoard's Python loader raises
+    ``KeyError`` for a summary that has metadata but no tensor."""
+    if runs is None:
+        runs = [r.run_name for r in data_provider.list_runs(ctx, experiment_id=experiment_id)]
+    mapping = {}
+    for run in runs:
+        try:
+            mapping.update(
+                data_provider.list_tensors(
+                    ctx,
+                    experiment_id=experiment_id,
+                    plugin_name=metadata.PLUGIN_NAME,
+                    run_tag_filter=provider.RunTagFilter(runs=[run]),
+                )
+            )
+        except Exception as error:  # noqa: BLE001
+            _warn_once(run, f"its data cannot be listed: {type(error).__name__}: {error}")
+    return mapping
+
+
 def list_runs(
     data_provider: provider.DataProvider,
     ctx,
@@ -261,12 +309,17 @@ def list_runs(
     runs: list[str] | None = None,
 ) -> dict[str, RunListing]:
     """Readable NaN Watch runs (those with a run summary tag), by run name."""
-    mapping = data_provider.list_tensors(
-        ctx,
-        experiment_id=experiment_id,
-        plugin_name=metadata.PLUGIN_NAME,
-        run_tag_filter=provider.RunTagFilter(runs=runs) if runs is not None else None,
-    )
+    try:
+        mapping = data_provider.list_tensors(
+            ctx,
+            experiment_id=experiment_id,
+            plugin_name=metadata.PLUGIN_NAME,
+            run_tag_filter=provider.RunTagFilter(runs=runs) if runs is not None else None,
+        )
+    except errors.PublicError:
+        raise
+    except Exception:  # noqa: BLE001 - one broken run must not hide the others
+        mapping = _list_tensors_run_by_run(data_provider, ctx, experiment_id, runs)
     result = {}
     for run, tag_map in mapping.items():
         tags = {}

@@ -29,13 +29,15 @@ SEQ_MODULO = 1 << 23
 PRE_STEP_WEIGHTS = ("every_step", "on_suspect", "off")
 
 
-def _names(value: Any, prefix: str, preferred: list[str] | None = None) -> list[tuple[str, tf.Tensor]]:
+def _names(
+    value: Any, prefix: str, preferred: list[str] | None = None
+) -> list[tuple[str, tf.Tensor]]:
     """Flattens inputs or targets into (name, tensor) pairs."""
     if isinstance(value, dict):
         return [(f"{prefix}{k}", value[k]) for k in sorted(value) if value[k] is not None]
     flat = [t for t in tf.nest.flatten(value) if t is not None]
     if preferred and len(preferred) == len(flat):
-        return [(f"{prefix}{n}", t) for n, t in zip(preferred, flat)]
+        return [(f"{prefix}{n}", t) for n, t in zip(preferred, flat, strict=False)]
     if len(flat) == 1:
         return [(prefix.rstrip("/:") or "input", flat[0])]
     return [(f"{prefix}{i}", t) for i, t in enumerate(flat)]
@@ -78,6 +80,7 @@ class StepRecorder:
         self._stash_count: tf.Variable | None = None
         self._frozen: tf.Variable | None = None
         self._replicas = 1
+        self.watched_weights: list | None = None  # the variables of the stashed weights
         self._last_seq = 0
         self.trace_error: Exception | None = None
         self.tapped_layers = [path for _, path in self.taps._layers]
@@ -89,18 +92,11 @@ class StepRecorder:
 
     def install(self) -> None:
         self.taps.install()
-        if self.pre_step_weights != "off" and self._shadows is None:
-            with self.strategy.scope():
-                self._shadows = [
-                    _local_variable(tf.zeros(v.shape, v.dtype), "nanwatch_pre_step")
-                    for v in self.model.trainable_weights
-                ]
-                self._shadow_count = _local_variable(tf.constant(0, tf.int64), "nanwatch_pre_step_of")
 
     def uninstall(self) -> None:
         self.taps.uninstall()
 
-    def _ensure_buffers(self, size: int, batch: list[tf.Tensor]) -> None:
+    def _ensure_buffers(self, size: int, batch: list[tf.Tensor], weights: list) -> None:
         """Creates the ring buffer and batch stash on first trace (eagerly).
 
         Every variable is replica-local (``ON_READ``): each replica writes its
@@ -129,6 +125,15 @@ class StepRecorder:
                 self._stash_count = _local_variable(tf.constant(0, tf.int64), "nanwatch_batch_of")
                 self._frozen = _local_variable(tf.constant(False), "nanwatch_captured")
                 self._batch_vars = [_stash_variable(t) for t in batch]
+                self.watched_weights = list(weights)
+                if self.pre_step_weights != "off":
+                    self._shadows = [
+                        _local_variable(tf.zeros(v.shape, v.dtype), "nanwatch_pre_step")
+                        for v in weights
+                    ]
+                    self._shadow_count = _local_variable(
+                        tf.constant(0, tf.int64), "nanwatch_pre_step_of"
+                    )
 
     # -- the instrumented Keras train step ----------------------------------
 
@@ -172,7 +177,7 @@ class StepRecorder:
         except Exception as error:  # noqa: BLE001
             self.trace_error = error
         if weights:
-            model.optimizer.apply_gradients(zip(grads, weights))
+            model.optimizer.apply_gradients(zip(grads, weights, strict=False))
         if builder is not None:
             try:
                 self.after_update(builder, weights, model)
@@ -219,7 +224,9 @@ class StepRecorder:
         grad_fields = [step_stats.gradient_fields([g]) for g in grads]
         grad_sumsq = tf.add_n([f["norm"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
         grad_bad = (
-            tf.add_n([f["nan"] + f["inf"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
+            tf.add_n([f["nan"] + f["inf"] for f in grad_fields])
+            if grad_fields
+            else tf.constant(0.0)
         )
         skipped = tf.cast(grad_bad > 0, tf.float32) if is_lso else tf.constant(0.0)
         lr = optimizer.learning_rate if optimizer is not None else 0.0
@@ -241,7 +248,9 @@ class StepRecorder:
         input_names = [getattr(t, "name", None) for t in getattr(model, "inputs", None) or []]
         input_names = [n.split(":")[0] for n in input_names if n]
         for name, t in _names(x, "", input_names):
-            builder.add("input", "input", name, f"model input {name}", step_stats.tensor_fields([t]))
+            builder.add(
+                "input", "input", name, f"model input {name}", step_stats.tensor_fields([t])
+            )
         if y is not None:
             for name, t in _names(y, "target/"):
                 if name == "target" or name.startswith("target"):
@@ -260,7 +269,7 @@ class StepRecorder:
         flat_pred = [t for t in tf.nest.flatten(y_pred) if t is not None]
         if len(output_names) != len(flat_pred):
             output_names = [f"output_{i}" for i in range(len(flat_pred))]
-        for name, t in zip(output_names, flat_pred):
+        for name, t in zip(output_names, flat_pred, strict=False):
             logits = getattr(t, "_keras_logits", None)
             what = "logits (before the final activation)" if logits is not None else "output"
             builder.add(
@@ -276,13 +285,19 @@ class StepRecorder:
 
         owners = variable_owners(model, self.taps)
         grads_by_owner: dict[str | None, list[tuple[Any, dict]]] = {}
-        for v, fields in zip(weights, grad_fields):
+        for v, fields in zip(weights, grad_fields, strict=False):
             grads_by_owner.setdefault(owners.get(id(v)), []).append((v, fields))
         position = 0
         slots = []
         for call in trace.calls:
             n_out, n_in = len(call.outputs), len(call.inputs)
-            slots.append((call, watched[position : position + n_out], watched[position + n_out : position + n_out + n_in]))
+            slots.append(
+                (
+                    call,
+                    watched[position : position + n_out],
+                    watched[position + n_out : position + n_out + n_in],
+                )
+            )
             position += n_out + n_in
         for call, out_grads, in_grads in reversed(slots):
             builder.add(
@@ -311,11 +326,9 @@ class StepRecorder:
 
     def _stash(self, builder: step_stats.StatsBuilder, data, weights: list) -> None:
         flat_batch = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
-        self._batch_structure = tf.nest.map_structure(
-            lambda t: None if t is None else 0, data
-        )
+        self._batch_structure = tf.nest.map_structure(lambda t: None if t is None else 0, data)
         # The buffer's width is known only now; create it before any use.
-        self._ensure_buffers(_schema_size_after_update(builder, weights), flat_batch)
+        self._ensure_buffers(_schema_size_after_update(builder, weights), flat_batch, weights)
         # The stash is frozen at the first step that the journal will call an
         # incident (see after_update), so with steps_per_execution > 1 the
         # later steps of the same execution do not overwrite it.
@@ -323,7 +336,7 @@ class StepRecorder:
         capturing = tf.logical_not(self._frozen.read_value())
 
         def keep_batch():
-            for var, t in zip(self._batch_vars, flat_batch):
+            for var, t in zip(self._batch_vars, flat_batch, strict=False):
                 _stash(var, t)
             self._stash_count.assign(this_step)
             return tf.constant(True)
@@ -333,7 +346,7 @@ class StepRecorder:
             return
 
         def copy():
-            for shadow, v in zip(self._shadows, weights):
+            for shadow, v in zip(self._shadows, weights, strict=False):
                 shadow.assign(v)
             self._shadow_count.assign(this_step)
             return tf.constant(True)
@@ -360,15 +373,24 @@ class StepRecorder:
         vector = builder.vector()
         if self.schema is None:
             self.schema = builder.schema
+        # Freeze the stash once a step is what the journal will call an
+        # incident: non-finite somewhere, and not a step the loss scaler skipped.
+        schema = builder.schema
+        counts = [e.offset + i for e in schema.entries if e.kind != "header" for i in (0, 1)]
+        bad = tf.reduce_sum(tf.gather(vector, tf.constant(counts, tf.int32))) > 0
+        skipped = vector[schema.header().offset + 4] > 0
+        incident = tf.logical_and(bad, tf.logical_not(skipped))
+        self._frozen.assign(tf.logical_or(self._frozen.read_value(), incident))
         count = self._counter.assign_add(1)
         slot = tf.cast((count - 1) % self.capacity, tf.int32)
         seq = tf.cast(count % SEQ_MODULO, tf.float32)
-        row = tf.concat([tf.reshape(seq, [1]), vector], 0)
+        first_bad = tf.reshape(builder.replica_first_bad, [-1])
+        row = tf.concat([tf.reshape(seq, [1]), vector, first_bad], 0)
         # assign(tensor_scatter_nd_update(...)) rather than scatter_nd_update:
-        # distributed (mirrored) variables implement only assign.
+        # distributed variables implement only assign.
         self._buffer.assign(
             tf.tensor_scatter_nd_update(
-                self._buffer.value(), tf.reshape(slot, [1, 1]), tf.reshape(row, [1, -1])
+                self._buffer.read_value(), tf.reshape(slot, [1, 1]), tf.reshape(row, [1, -1])
             )
         )
 
@@ -427,8 +449,32 @@ class StepRecorder:
         return step(self._stash_count), step(self._shadow_count)
 
     def not_watched(self) -> list[str]:
-        """Watched layers whose calls the step graph never saw, with why."""
-        return list(self.unwatched_layers or [])
+        """What is not (fully) watched, one ``"<layer path>: <why>"`` each.
+
+        * a layer whose calls the step graph never saw: it runs inside an
+          inner loop or function (a ``tf.while_loop`` body, a nested
+          ``tf.function``) or was not called in training;
+        * the cell of an RNN layer: only the call Keras makes for time step 0,
+          outside its loop, is seen; later time steps are not watched one by
+          one (the RNN layer's own output, which covers them, is).
+        """
+        notes = [
+            f"{path}: never called in the step graph (inside an inner loop or function, "
+            "or unused in training); not watched"
+            for path in self.unwatched_layers or []
+        ]
+        for layer, path in self.taps._layers:
+            if isinstance(layer, keras.layers.RNN):
+                cell = getattr(layer, "cell", None)
+                cells = getattr(cell, "cells", None) or ([cell] if cell is not None else [])
+                for c in cells:
+                    for other, other_path in self.taps._layers:
+                        if other is c and other_path not in (self.unwatched_layers or []):
+                            notes.append(
+                                f"{other_path}: RNN cell, only time step 0 is watched "
+                                f"(later steps run inside {path}'s loop; {path}'s output is watched)"
+                            )
+        return notes
 
 
 def _local_variable(initial, name: str) -> tf.Variable:
@@ -496,7 +542,7 @@ def _unstash(slot) -> np.ndarray | None:
         return None
     var, rows = slot
     shards = []
-    for value, n in zip(_locals(var), _locals(rows)):
+    for value, n in zip(_locals(var), _locals(rows), strict=False):
         value = value.numpy()
         if value.ndim == 0:
             return value

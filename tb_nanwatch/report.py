@@ -7,6 +7,7 @@ then through :mod:`tb_nanwatch.reader`, exactly as the plugin reads it.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from tensorboard import context
@@ -14,6 +15,7 @@ from tensorboard import context
 from tb_nanwatch import hints, reader
 
 EXPERIMENT_ID = ""
+logger = logging.getLogger(__name__)
 _KIND_TEXT = {"nan": "NaN", "inf": "Inf", "nan+inf": "NaN and Inf"}
 
 
@@ -27,8 +29,64 @@ def load_provider(logdir: str):
 
     multiplexer = plugin_event_multiplexer.EventMultiplexer()
     multiplexer.AddRunsFromDirectory(logdir)
-    multiplexer.Reload()
+    _reload_each_run(multiplexer)
     return data_provider.MultiplexerDataProvider(multiplexer, logdir)
+
+
+class _TruncatedRecordWarner(logging.Handler):
+    """Stands in for the ``tensorboard`` logger's propagation while loading:
+    turns its debug line about a truncated or corrupt record (where its loader
+    stops reading a file) into one warning line, and passes on the records the
+    logger would have passed on anyway."""
+
+    def __init__(self, forward_level: int) -> None:
+        super().__init__(logging.DEBUG)
+        self.forward_level = forward_level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("Truncated record in"):
+            path, reason = (list(record.args or ()) + ["?", "?"])[:2]
+            if isinstance(reason, bytes):
+                reason = reason.decode("utf-8", "replace")
+            reason = str(reason).replace(str(path), "").replace("\n", " ").strip(" b'")
+            logger.warning(
+                "nanwatch: %s: stopped at a truncated or corrupt record (%s); "
+                "the rest of that file is not read",
+                path,
+                reason,
+            )
+        elif record.levelno >= self.forward_level:
+            logging.getLogger().handle(record)
+
+
+def _reload_each_run(multiplexer) -> None:
+    """``multiplexer.Reload()``, except that an event file TensorBoard cannot
+    parse costs only the rest of that run (one warning line), not the report."""
+    tb_logger = logging.getLogger("tensorboard")
+    handler = _TruncatedRecordWarner(tb_logger.getEffectiveLevel())
+    level, propagate = tb_logger.level, tb_logger.propagate
+    tb_logger.addHandler(handler)
+    tb_logger.setLevel(logging.DEBUG)
+    tb_logger.propagate = False
+    try:
+        for run in sorted(multiplexer.Runs()):
+            try:
+                multiplexer.GetAccumulator(run).Reload()
+            except Exception as error:  # noqa: BLE001 - e.g. a DecodeError
+                message = f"{type(error).__name__}: {error}".replace("\n", " ")
+                logger.warning(
+                    "nanwatch: run %r: stopped reading at an unreadable event (%s)", run, message
+                )
+                try:  # TensorBoard reads the first event again for listing
+                    multiplexer.FirstEventTimestamp(run)
+                except Exception:  # noqa: BLE001 - nothing readable: drop the run
+                    with multiplexer._accumulators_mutex:
+                        multiplexer._accumulators.pop(run, None)
+                        multiplexer._paths.pop(run, None)
+    finally:
+        tb_logger.removeHandler(handler)
+        tb_logger.setLevel(level)
+        tb_logger.propagate = propagate
 
 
 def _run_path(name: str) -> str:

@@ -6,6 +6,18 @@ partial (a sum, a min, a max, a mean or a sum of squares) and the partials are
 reduced across replicas before they are packed, so the vector means the same
 with one replica or eight: counts summed, min of mins, max of maxes, norms from
 summed squares.
+
+Cost: exact NaN and Inf *counts* (``is_nan``/``is_inf``, a cast and a sum per
+tensor, twice) are what made the statistics expensive: about six small ops
+and two full passes per watched tensor, every step. They are now computed
+lazily. Each count remembers its source tensors and a *trigger*: one float32
+scalar that is non-finite whenever a source holds a NaN or an Inf (the sum of
+the tensor, or the sum of squares a gradient entry computes anyway: NaN and
+Inf propagate through sums, and a finite sum that overflows only makes the
+check conservative). :meth:`StatsBuilder.vector` checks all triggers at once
+and computes the exact counts, in one ``tf.cond`` branch, only when one of them
+is non-finite; otherwise every count is exactly 0 and the branch that runs is
+a constant. The vector is bit-for-bit what the eager counts would give.
 """
 
 from __future__ import annotations
@@ -38,16 +50,65 @@ def _f32(t) -> tf.Tensor:
     return tf.cast(t, tf.float32)
 
 
-def count_nan(t: tf.Tensor) -> tf.Tensor:
+# A count tensor built here carries (kind, sources, trigger) under this
+# attribute, so that StatsBuilder can replace it by its lazy form.
+_LAZY_ATTR = "_nanwatch_lazy_count"
+_TRIGGER_ATTR = "_nanwatch_trigger"
+
+
+def _exact_nan(t: tf.Tensor) -> tf.Tensor:
     if not t.dtype.is_floating:
         return tf.constant(0.0)
     return tf.reduce_sum(_f32(tf.math.is_nan(t)))
 
 
-def count_inf(t: tf.Tensor) -> tf.Tensor:
+def _exact_inf(t: tf.Tensor) -> tf.Tensor:
     if not t.dtype.is_floating:
         return tf.constant(0.0)
     return tf.reduce_sum(_f32(tf.math.is_inf(t)))
+
+
+_EXACT = {"nan": _exact_nan, "inf": _exact_inf}
+
+
+def _exact_count(kind: str, sources: tuple) -> tf.Tensor:
+    counts = [_EXACT[kind](t) for t in sources]
+    return counts[0] if len(counts) == 1 else tf.add_n(counts)
+
+
+def _trigger(t: tf.Tensor) -> tf.Tensor:
+    """A float32 scalar that is non-finite whenever ``t`` holds a NaN or Inf."""
+    cached = getattr(t, _TRIGGER_ATTR, None)
+    if cached is not None:
+        return cached
+    trigger = tf.reduce_sum(_f32(t)) if t.dtype.is_floating else tf.constant(0.0)
+    try:
+        setattr(t, _TRIGGER_ATTR, trigger)
+    except AttributeError:
+        pass
+    return trigger
+
+
+def _tag(count: tf.Tensor, kind: str, sources, trigger: tf.Tensor) -> tf.Tensor:
+    try:
+        setattr(count, _LAZY_ATTR, (kind, tuple(sources), trigger))
+    except AttributeError:  # a tensor type that takes no attributes: stays eager
+        pass
+    return count
+
+
+def count_nan(t: tf.Tensor) -> tf.Tensor:
+    """Number of NaN elements of ``t`` (float32); computed lazily in a builder."""
+    if not t.dtype.is_floating:
+        return tf.constant(0.0)
+    return _tag(_exact_nan(t), "nan", [t], _trigger(t))
+
+
+def count_inf(t: tf.Tensor) -> tf.Tensor:
+    """Number of +-Inf elements of ``t`` (float32); computed lazily in a builder."""
+    if not t.dtype.is_floating:
+        return tf.constant(0.0)
+    return _tag(_exact_inf(t), "inf", [t], _trigger(t))
 
 
 def sum_squares(t) -> tf.Tensor:
@@ -60,11 +121,18 @@ def sum_squares(t) -> tf.Tensor:
 def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
     """nan/inf counts, min and max over a list of tensors (float32)."""
     tensors = [_f32(t) if t.dtype.is_floating else tf.cast(t, tf.float32) for t in tensors]
+    triggers = [_trigger(t) for t in tensors]
+    trigger = triggers[0] if len(triggers) == 1 else tf.add_n(triggers)
+    if len(tensors) == 1:
+        low, high = tf.reduce_min(tensors[0]), tf.reduce_max(tensors[0])
+    else:
+        low = tf.reduce_min(tf.stack([tf.reduce_min(t) for t in tensors]))
+        high = tf.reduce_max(tf.stack([tf.reduce_max(t) for t in tensors]))
     return {
-        "nan": tf.add_n([count_nan(t) for t in tensors]),
-        "inf": tf.add_n([count_inf(t) for t in tensors]),
-        "min": tf.reduce_min(tf.stack([tf.reduce_min(t) for t in tensors])),
-        "max": tf.reduce_max(tf.stack([tf.reduce_max(t) for t in tensors])),
+        "nan": _tag(_exact_count("nan", tensors), "nan", tensors, trigger),
+        "inf": _tag(_exact_count("inf", tensors), "inf", tensors, trigger),
+        "min": low,
+        "max": high,
     }
 
 
@@ -77,10 +145,14 @@ def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
     if not grads:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero, "norm": zero}
+    squares = [sum_squares(g) for g in grads]
+    # The sum of squares is NaN or Inf whenever a gradient holds one: it is
+    # the trigger of the lazy counts, at no extra cost.
+    norm = squares[0] if len(squares) == 1 else tf.add_n(squares)
     return {
-        "nan": tf.add_n([count_nan(g) for g in grads]),
-        "inf": tf.add_n([count_inf(g) for g in grads]),
-        "norm": tf.add_n([sum_squares(g) for g in grads]),
+        "nan": _tag(_exact_count("nan", grads), "nan", grads, norm),
+        "inf": _tag(_exact_count("inf", grads), "inf", grads, norm),
+        "norm": norm,
     }
 
 
@@ -95,6 +167,11 @@ class StatsBuilder:
         # the "sum" group: used for the per-replica view of where it went bad.
         self._bad_slots: list[tuple[int, int]] = []
         self.replica_first_bad: tf.Tensor | None = None
+        # Per "sum" slot: ("tensor", t) or ("lazy", kind, sources, trigger).
+        # ``_partials["sum"]`` holds, for a lazy slot, a cheap 0/1 indicator
+        # (1 when its trigger is non-finite), so that "sum of the partials > 0"
+        # still means "something may be non-finite" for code that asks.
+        self._sum_specs: list[tuple] = []
 
     def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields: dict) -> None:
         entry = self.schema.add(phase, kind, layer, tensor)
@@ -104,7 +181,15 @@ class StatsBuilder:
             group = ops[name]
             slots[name] = len(self._partials[group])
             self._layout.append((group, slots[name]))
-            self._partials[group].append(_f32(fields[name]))
+            value = fields[name]
+            lazy = getattr(value, _LAZY_ATTR, None) if group == "sum" else None
+            if lazy is not None:
+                kind_, sources, trigger = lazy
+                self._sum_specs.append(("lazy", kind_, sources, trigger))
+                value = tf.cast(tf.logical_not(tf.math.is_finite(trigger)), tf.float32)
+            elif group == "sum":
+                self._sum_specs.append(("tensor", _f32(value)))
+            self._partials[group].append(_f32(value))
         if kind != "header":
             self._bad_slots.append((slots["nan"], slots["inf"]))
 
@@ -119,11 +204,58 @@ class StatsBuilder:
         bad = tf.concat([bad, [True]], 0)
         return tf.cast(tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32), tf.float32)
 
+    def suspect(self) -> tf.Tensor:
+        """A cheap scalar bool: may any entry added so far be non-finite?
+
+        False guarantees every NaN/Inf count so far is 0; True is almost
+        always a real NaN/Inf (or a finite tensor whose sum overflows).
+        """
+        triggers = _unique([s[3] for s in self._sum_specs if s[0] == "lazy"])
+        checks = (
+            [tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))]
+            if triggers
+            else []
+        )
+        eager = [s[1] for s in self._sum_specs if s[0] == "tensor"]
+        if eager:
+            checks.append(tf.add_n(eager) > 0)
+        if not checks:
+            return tf.constant(False)
+        return checks[0] if len(checks) == 1 else tf.logical_or(checks[0], checks[1])
+
+    def _sum_vector(self) -> tf.Tensor:
+        """The exact "sum" partials (NaN/Inf counts), lazy counts in one cond."""
+        specs = self._sum_specs
+        if not specs:
+            return tf.zeros([0], tf.float32)
+        eager = [i for i, s in enumerate(specs) if s[0] == "tensor"]
+        lazy = [i for i, s in enumerate(specs) if s[0] == "lazy"]
+        if not lazy:
+            return tf.stack([specs[i][1] for i in eager])
+        triggers = _unique([specs[i][3] for i in lazy])
+        maybe_bad = tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))
+
+        def exact() -> tf.Tensor:
+            return tf.stack([_exact_count(specs[i][1], specs[i][2]) for i in lazy])
+
+        def clean() -> tf.Tensor:
+            return tf.zeros([len(lazy)], tf.float32)
+
+        lazy_values = tf.cond(maybe_bad, exact, clean)
+        if not eager:
+            return lazy_values
+        parts = tf.concat([tf.stack([specs[i][1] for i in eager]), lazy_values], 0)
+        where = {i: k for k, i in enumerate(eager + lazy)}
+        return tf.gather(parts, tf.constant([where[i] for i in range(len(specs))], tf.int32))
+
     def vector(self) -> tf.Tensor:
         """The packed float32 vector, reduced across replicas when needed."""
         stacked = {
-            g: tf.stack(v) if v else tf.zeros([0], tf.float32) for g, v in self._partials.items()
+            g: tf.stack(v) if v else tf.zeros([0], tf.float32)
+            for g, v in self._partials.items()
+            if g != "sum"
         }
+        stacked["sum"] = self._sum_vector()
         ctx = tf.distribute.get_replica_context()
         replicas = ctx.num_replicas_in_sync if ctx is not None else 1
         local_first_bad = self._local_first_bad(stacked["sum"])
@@ -140,9 +272,7 @@ class StatsBuilder:
             # One all_gather carries the extremes and each replica's first
             # non-finite entry (which replica went bad first).
             gathered = ctx.all_gather(
-                tf.stack(
-                    [tf.concat([-stacked["min"], stacked["max"], [local_first_bad]], 0)]
-                ),
+                tf.stack([tf.concat([-stacked["min"], stacked["max"], [local_first_bad]], 0)]),
                 axis=0,
             )
             self.replica_first_bad = gathered[:, -1]
@@ -158,3 +288,12 @@ class StatsBuilder:
             flat.append(stacked[g])
         index = [offsets[g] + i for g, i in self._layout]
         return tf.gather(tf.concat(flat, 0), tf.constant(index, tf.int32))
+
+
+def _unique(tensors: list) -> list:
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out

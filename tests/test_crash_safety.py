@@ -17,12 +17,11 @@ import time
 
 import numpy as np
 import pytest
+from nanwatch_testlib import CTX, multiplexer_provider
 
 from tb_nanwatch import crash_safety, reader
 from tb_nanwatch.journal import RunJournal
 from tb_nanwatch.synthetic import build_schema
-
-from nanwatch_testlib import CTX, multiplexer_provider
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,8 +78,15 @@ class Child:
         env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env["CUDA_VISIBLE_DEVICES"] = ""
         self.proc = subprocess.Popen(
-            [sys.executable, str(script), self.log_dir, mode, str(steps), str(nan_step),
-             str(raise_at)],
+            [
+                sys.executable,
+                str(script),
+                self.log_dir,
+                mode,
+                str(steps),
+                str(nan_step),
+                str(raise_at),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -66,6 +66,28 @@ export function routeUrl(route, params = {}) {
 }
 
 /**
+ * The answer to a route from data embedded in the page (`tb-nanwatch export`
+ * writes `window.__NANWATCH_DATA__ = {routes: [{route, params, body}]}`):
+ * the entry with exactly these parameters, else the entry of the same route
+ * and run without other parameters (e.g. the whole timeline for a zoom).
+ * @param {string} route Route name.
+ * @param {Object<string, *>} params Query parameters.
+ * @returns {*} The JSON body, not yet revived.
+ * @throws {ApiError} 404 when the export does not hold it.
+ */
+function embeddedJson(route, params) {
+  const wanted = Object.entries(params).filter(([, v]) => v !== undefined && v !== null);
+  const same = (a, b) => a.length === b.length && a.every(([k, v]) => String(b.find(([k2]) => k2 === k)?.[1]) === String(v));
+  const entries = globalThis.__NANWATCH_DATA__.routes.filter((e) => e.route === route);
+  const byRun = wanted.filter(([k]) => k === "run");
+  const hit =
+    entries.find((e) => same(wanted, Object.entries(e.params))) ||
+    (route === "timeline" ? entries.find((e) => same(byRun, Object.entries(e.params))) : undefined);
+  if (!hit) throw new ApiError(404, "not included in this export");
+  return hit.body;
+}
+
+/**
  * GETs a route and returns its revived JSON body.
  * @param {string} route Route name (relative URL).
  * @param {Object<string, *>} [params] Query parameters.
@@ -74,6 +96,7 @@ export function routeUrl(route, params = {}) {
  * @throws {ApiError} On a non-2xx response.
  */
 export async function getJson(route, params = {}, signal = undefined) {
+  if (globalThis.__NANWATCH_DATA__) return revive(embeddedJson(route, params));
   const response = await fetch(routeUrl(route, params), { signal, headers: { Accept: "application/json" } });
   let body = null;
   try {

@@ -1,0 +1,341 @@
+"""NanWatch for custom training loops: :class:`StepWatcher`.
+
+The same record as the :class:`~tb_nanwatch.callback.NanWatch` callback (input,
+every layer's output, the logits, the loss, the gradient w.r.t. every layer's
+output and input, every variable's gradient before the update, the weights
+after it), the same diagnosis, the same event files, incident and
+reproduction bundle, from a few added lines in your own step::
+
+    watcher = tb_nanwatch.StepWatcher("logs/run", model, optimizer)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
+            y_pred = model(x, training=True)
+            loss = rec.loss(loss_fn(y, y_pred), y_pred=y_pred)
+        grads = tape.gradient(loss, rec.sources(model.trainable_variables))
+        grads = rec.gradients(grads)  # records the backward pass; the weights' gradients
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        rec.after_update()
+        return loss
+
+    for x, y in dataset:
+        train_step(x, y)
+        if watcher.end_step():  # host side: one fetch, diagnosis; True = stop
+            break
+    watcher.close()
+
+* ``rec.sources(variables)`` returns ``variables`` followed by the watched
+  layer tensors: ask the tape for the gradient of all of them in one backward
+  pass, then hand the whole list to ``rec.gradients``, which records the
+  backward statistics and returns the gradients of ``variables`` alone.
+* Mixed precision: take the gradient of ``optimizer.scale_loss(loss)`` (a
+  ``LossScaleOptimizer``) and pass the *unscaled* loss to ``rec.loss``; the
+  loss scale and skipped steps are read from the optimizer.
+* Several outputs: ``rec.loss(total, y_pred=[a, b], outputs={"a": la, "b": lb})``.
+* ``tf.distribute``: call ``train_step`` through ``strategy.run`` as usual
+  (create the model, optimizer *and* the watcher under ``strategy.scope()``);
+  statistics are reduced across replicas inside the step.
+* Several steps per ``tf.function`` call (a ``tf.range`` loop inside the
+  function): pass ``steps_per_execution=N``; ``end_step()`` then records all
+  N steps at once.
+* A custom ``keras.Model.train_step`` under ``fit``: use the same calls inside
+  your ``train_step`` and pass ``callbacks=[watcher.callback()]`` to ``fit``.
+* ``jit_compile=True`` works: the statistics are plain TensorFlow ops.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import keras
+import tensorflow as tf
+
+from tb_nanwatch.callback import NonFiniteError, check_writable, describe_incident
+from tb_nanwatch.host import WatchHost, WatchOptions, _positive_int, base_run_info
+from tb_nanwatch.recorder import StepRecorder
+from tb_nanwatch.taps import StepTrace
+
+__all__ = ["StepWatcher", "StepRecording", "NonFiniteError"]
+
+
+class StepWatcher:
+    """Watches a custom training loop; see the module docstring.
+
+    Args:
+        log_dir: run directory (any ``tf.io.gfile`` path).
+        model: the ``keras.Model`` being trained (its layers are watched).
+        optimizer: the optimizer applying the gradients (a
+            ``LossScaleOptimizer`` under mixed precision).
+        steps_per_execution: how many train steps run per call of your
+            compiled function (the device buffer holds one row per step).
+        on_nonfinite, window, max_consecutive_skips, min_loss_scale,
+        snapshot_every, flush_secs, pre_step_weights, explosion_factor: as
+            for :class:`~tb_nanwatch.callback.NanWatch`. With ``"stop"``,
+            :meth:`end_step` returns True; with ``"raise"`` it raises
+            :class:`~tb_nanwatch.callback.NonFiniteError`.
+    """
+
+    def __init__(
+        self,
+        log_dir: str,
+        model: keras.Model,
+        optimizer,
+        *,
+        steps_per_execution: int = 1,
+        on_nonfinite: str = "stop",
+        window: int = 32,
+        max_consecutive_skips: int = 20,
+        min_loss_scale: float = 1.0,
+        snapshot_every: int = 1000,
+        flush_secs: float = 10.0,
+        pre_step_weights: str = "every_step",
+        explosion_factor: float = 1e3,
+    ) -> None:
+        if not isinstance(model, keras.Model):
+            raise ValueError(f"model must be a keras.Model, got {type(model).__name__}")
+        self.options = WatchOptions(
+            on_nonfinite=on_nonfinite,
+            window=window,
+            max_consecutive_skips=max_consecutive_skips,
+            min_loss_scale=min_loss_scale,
+            snapshot_every=snapshot_every,
+            flush_secs=flush_secs,
+            pre_step_weights=pre_step_weights,
+            explosion_factor=explosion_factor,
+        )
+        _positive_int("steps_per_execution", steps_per_execution)
+        check_writable(log_dir)
+        self.model = model
+        self.optimizer = optimizer
+        self.recorder = StepRecorder(
+            model, steps_per_execution=steps_per_execution, pre_step_weights=pre_step_weights
+        )
+        self.recorder.install()
+        info = base_run_info(self.recorder, model, optimizer, self.options)
+        info["loop"] = "custom"
+        self.host = WatchHost(log_dir, self.recorder, self.options, info, lambda: [])
+        self.log_dir = self.host.log_dir
+        self._disabled = False
+        self._closed = False
+
+    # -- in the compiled step ------------------------------------------------
+
+    def forward(self, tape: tf.GradientTape, x, y=None, sample_weight=None) -> _Forward:
+        """Context manager around the forward pass; yields a :class:`StepRecording`.
+
+        Enter it *inside* the ``GradientTape`` (``with tape, watcher.forward(
+        tape, x, y) as rec``) and call the model and the loss within it.
+        """
+        if not isinstance(tape, tf.GradientTape):
+            raise TypeError("forward() needs the GradientTape that records the step")
+        data = (x,) if y is None else ((x, y) if sample_weight is None else (x, y, sample_weight))
+        return _Forward(self, tape, x, y, data)
+
+    # -- on the host, after each call of the compiled step ---------------------
+
+    @property
+    def incident(self) -> dict | None:
+        return self.host.incident
+
+    @property
+    def journal(self):
+        return self.host.journal
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Optional: label the following steps with ``epoch`` (batch from 0)."""
+        self.host.begin_epoch(epoch)
+
+    def end_step(self) -> bool:
+        """Records the steps that ran since the last call (one device read).
+
+        Returns True when an incident was found and ``on_nonfinite="stop"``;
+        raises :class:`NonFiniteError` with ``"raise"``. Never raises for a
+        failure of the watcher itself: it warns once and stops watching.
+        """
+        if self._disabled or self._closed:
+            return False
+        if self.recorder.trace_error is not None:
+            self._disable(f"could not build its statistics: {self.recorder.trace_error!r}")
+            return False
+        opened = self.host.journal is not None
+        try:
+            incident = self.host.record_new_steps()
+        except Exception as error:  # noqa: BLE001 - never break the user's loop
+            self._disable(f"recording failed: {error!r}")
+            return False
+        if not opened and self.host.journal is not None:
+            _warn_not_watched(self.recorder.not_watched())
+        if incident is None:
+            return False
+        try:
+            self.host.save_bundle(incident)
+        except Exception as error:  # noqa: BLE001
+            warnings.warn(
+                f"NanWatch could not save the reproduction bundle: {error!r}", stacklevel=2
+            )
+        print(f"NanWatch: {describe_incident(incident)}", file=sys.stderr)
+        if self.options.on_nonfinite == "raise":
+            self.close("raised")
+            raise NonFiniteError(incident)
+        return self.options.on_nonfinite == "stop"
+
+    def close(self, status: str | None = None) -> None:
+        """Writes the final run summary and releases the layers' wrappers."""
+        if self._closed:
+            return
+        self._closed = True
+        self.recorder.uninstall()
+        if status is None:
+            stopped = self.incident is not None and self.options.on_nonfinite == "stop"
+            status = "stopped" if stopped else "finished"
+        try:
+            self.host.close(status)
+        except Exception as error:  # noqa: BLE001
+            warnings.warn(f"NanWatch could not close the record: {error!r}", stacklevel=2)
+
+    def __enter__(self) -> StepWatcher:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close("raised" if exc_type is not None and self.incident is None else None)
+
+    def callback(self) -> keras.callbacks.Callback:
+        """A Keras callback that calls :meth:`end_step` for ``fit``.
+
+        For models with their own ``train_step`` that use this watcher's
+        recording calls inside it: ``fit(..., callbacks=[watcher.callback()])``
+        (stops training on an incident with ``on_nonfinite="stop"``, closes
+        the record when ``fit`` ends).
+        """
+        return _WatcherCallback(self)
+
+    def _disable(self, reason: str) -> None:
+        if not self._disabled:
+            warnings.warn(f"NanWatch stopped watching: {reason}", RuntimeWarning, stacklevel=3)
+        self._disabled = True
+        self.recorder.uninstall()
+
+
+class _Forward:
+    def __init__(self, watcher: StepWatcher, tape, x, y, data) -> None:
+        self.watcher = watcher
+        self.tape = tape
+        self.x, self.y, self.data = x, y, data
+        self._recording = None
+
+    def __enter__(self) -> StepRecording:
+        recorder = self.watcher.recorder
+        if not recorder.taps._installed and not (self.watcher._disabled or self.watcher._closed):
+            recorder.install()
+        self._recording = recorder.taps.recording(self.tape)
+        trace = self._recording.__enter__()
+        return StepRecording(self.watcher, trace, self.x, self.y, self.data)
+
+    def __exit__(self, *exc) -> None:
+        self._recording.__exit__(*exc)
+
+
+class StepRecording:
+    """The per-step handle yielded by :meth:`StepWatcher.forward`.
+
+    A failure inside the watcher's own statistics never breaks the step: it is
+    remembered, the step runs unchanged, and the next ``end_step()`` warns and
+    stops watching.
+    """
+
+    def __init__(self, watcher: StepWatcher, trace: StepTrace, x, y, data) -> None:
+        self.watcher = watcher
+        self.trace = trace
+        self.x, self.y, self.data = x, y, data
+        self.y_pred = None
+        self.total_loss = None
+        self.variables: list | None = None
+        self._builder = None
+
+    def loss(self, value, y_pred=None, outputs: dict | None = None):
+        """Records the (unscaled) loss and returns it unchanged.
+
+        ``y_pred``: the model's output(s), for the logits entries;
+        ``outputs``: optional per-output losses ``{name: loss}``.
+        """
+        self.total_loss = value
+        self.y_pred = y_pred
+        for name, item in (outputs or {}).items():
+            self.trace.losses.append((str(name), item))
+        return value
+
+    def sources(self, variables) -> list:
+        """``variables`` followed by the watched layer tensors: pass this list
+        to ``tape.gradient`` and its result to :meth:`gradients`."""
+        self.variables = list(variables)
+        return self.variables + self.watcher.recorder.watched_tensors(self.trace)
+
+    def gradients(self, all_grads) -> list:
+        """Records input..backward statistics; returns the variables' gradients."""
+        if self.variables is None:
+            raise ValueError("call rec.sources(variables) and differentiate w.r.t. its result")
+        all_grads = list(all_grads)
+        n = len(self.variables)
+        if len(all_grads) != n + len(self.watcher.recorder.watched_tensors(self.trace)):
+            raise ValueError(
+                "rec.gradients() needs the gradients of every tensor rec.sources() returned"
+            )
+        recorder = self.watcher.recorder
+        if self.total_loss is None:
+            recorder.trace_error = ValueError("rec.loss(...) was not called in the step")
+            return all_grads[:n]
+        try:
+            self._builder = recorder.before_update(
+                self.trace,
+                self.x,
+                self.y,
+                self.y_pred if self.y_pred is not None else [],
+                self.total_loss,
+                self.variables,
+                all_grads,
+                self.watcher.optimizer,
+                self.data,
+                self.watcher.model,
+            )
+        except Exception as error:  # noqa: BLE001
+            recorder.trace_error = error
+            self._builder = None
+        return all_grads[:n]
+
+    def after_update(self) -> None:
+        """Records the weights after the update and writes the step's row."""
+        if self._builder is None:
+            return
+        try:
+            self.watcher.recorder.after_update(self._builder, self.variables, self.watcher.model)
+        except Exception as error:  # noqa: BLE001
+            self.watcher.recorder.trace_error = error
+
+
+class _WatcherCallback(keras.callbacks.Callback):
+    def __init__(self, watcher: StepWatcher) -> None:
+        super().__init__()
+        self.watcher = watcher
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        self.watcher.begin_epoch(epoch)
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        if self.watcher.end_step() and self.model is not None:
+            self.model.stop_training = True
+
+    def on_train_end(self, logs=None) -> None:
+        self.watcher.close()
+
+
+def _warn_not_watched(not_watched: list[str]) -> None:
+    if not_watched:
+        warnings.warn(
+            "NanWatch does not watch these layers one by one (their calls run inside an "
+            "inner loop or function, e.g. an RNN cell, or they were not called in the step); "
+            "the layer around them is watched: " + ", ".join(not_watched),
+            RuntimeWarning,
+            stacklevel=3,
+        )
