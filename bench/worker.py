@@ -257,6 +257,17 @@ def apply_patches(patches: list[str]) -> None:
 
             step_stats.count_nan = lambda t: tf.constant(0.0)
             step_stats.count_inf = lambda t: tf.constant(0.0)
+        elif patch in ("notensorstats", "nogradstats", "noweightcounts"):
+            from tb_nanwatch import step_stats
+
+            zero = lambda: tf.constant(0.0)  # noqa: E731
+            if patch == "notensorstats":
+                step_stats.tensor_fields = lambda ts: {k: zero() for k in ("nan", "inf", "min", "max")}
+            elif patch == "nogradstats":
+                step_stats.gradient_fields = lambda gs: {k: zero() for k in ("nan", "inf", "norm")}
+            else:
+                step_stats.count_nan = lambda t: zero()
+                step_stats.count_inf = lambda t: zero()
         elif patch == "nohost":  # no host-side work after the step (no fetch, no journal)
             from tb_nanwatch import callback
 

@@ -59,6 +59,10 @@ from tb_nanwatch.taps import StepTrace
 
 __all__ = ["StepWatcher", "StepRecording", "NonFiniteError"]
 
+# The recording calls run at trace time as plain Python: autograph need not
+# (and should not) rewrite them.
+_no_autograph = tf.autograph.experimental.do_not_convert
+
 
 class StepWatcher:
     """Watches a custom training loop; see the module docstring.
@@ -254,6 +258,7 @@ class StepRecording:
         self.variables: list | None = None
         self._builder = None
 
+    @_no_autograph
     def loss(self, value, y_pred=None, outputs: dict | None = None):
         """Records the (unscaled) loss and returns it unchanged.
 
@@ -266,12 +271,14 @@ class StepRecording:
             self.trace.losses.append((str(name), item))
         return value
 
+    @_no_autograph
     def sources(self, variables) -> list:
         """``variables`` followed by the watched layer tensors: pass this list
         to ``tape.gradient`` and its result to :meth:`gradients`."""
         self.variables = list(variables)
         return self.variables + self.watcher.recorder.watched_tensors(self.trace)
 
+    @_no_autograph
     def gradients(self, all_grads) -> list:
         """Records input..backward statistics; returns the variables' gradients."""
         if self.variables is None:
@@ -304,6 +311,7 @@ class StepRecording:
             self._builder = None
         return all_grads[:n]
 
+    @_no_autograph
     def after_update(self) -> None:
         """Records the weights after the update and writes the step's row."""
         if self._builder is None:

@@ -111,11 +111,25 @@ def count_inf(t: tf.Tensor) -> tf.Tensor:
     return _tag(_exact_inf(t), "inf", [t], _trigger(t))
 
 
+_SUMSQ_ATTR = "_nanwatch_sum_squares"
+
+
 def sum_squares(t) -> tf.Tensor:
+    """Sum of squares, float32: one fused ``L2Loss`` op (2 * sum(t**2) / 2),
+    half the ops and memory traffic of ``reduce_sum(t * t)``. Cached on the
+    tensor: the gradient w.r.t. a layer's input is often the very tensor of
+    the gradient w.r.t. the previous layer's output."""
     if isinstance(t, tf.IndexedSlices):
         t = t.values
-    t = _f32(t)
-    return tf.reduce_sum(t * t)
+    cached = getattr(t, _SUMSQ_ATTR, None)
+    if cached is not None:
+        return cached
+    value = 2.0 * tf.nn.l2_loss(_f32(t))
+    try:
+        setattr(t, _SUMSQ_ATTR, value)
+    except AttributeError:
+        pass
+    return value
 
 
 def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:

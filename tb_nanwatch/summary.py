@@ -42,6 +42,7 @@ def _flat(values) -> list[tf.Tensor]:
     return out
 
 
+@tf.autograph.experimental.do_not_convert
 def finite_check(name: str, tensor, step=None) -> tf.Tensor:
     """Writes ``<name>/nan_count`` and ``<name>/inf_count``; returns a scalar
     bool tensor, True when every element of ``tensor`` (a tensor or a nested
@@ -55,6 +56,7 @@ def finite_check(name: str, tensor, step=None) -> tf.Tensor:
     return tf.equal(nan + inf, 0.0)
 
 
+@tf.autograph.experimental.do_not_convert
 def logit_extremes(name: str, logits, step=None) -> tuple[tf.Tensor, tf.Tensor]:
     """Writes ``<name>/min``, ``<name>/max`` and ``<name>/abs_max`` of
     ``logits`` (a NaN anywhere makes them NaN, which is the point); returns
@@ -75,6 +77,7 @@ def logit_extremes(name: str, logits, step=None) -> tuple[tf.Tensor, tf.Tensor]:
     return low, high
 
 
+@tf.autograph.experimental.do_not_convert
 def grad_norms(name: str, grads, variables=None, step=None, per_variable: bool = True) -> tf.Tensor:
     """Writes the global gradient norm ``<name>/global_norm``, the number of
     non-finite gradient elements ``<name>/nonfinite_count`` and, with
