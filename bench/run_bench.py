@@ -57,6 +57,7 @@ TOOL_LABELS = {
     "terminate_on_nan": "TerminateOnNaN",
     "nanwatch": "**NanWatch (defaults)**",
     "nanwatch_on_suspect": "NanWatch, pre_step_weights=on_suspect",
+    "nanwatch+before": "NanWatch before the performance fixes (--compare-before)",
     "check_numerics": "tf.debugging.enable_check_numerics",
     "dbg_curt_health": "Debugger V2 CURT_HEALTH",
     "dbg_full_health": "Debugger V2 FULL_HEALTH",
@@ -414,6 +415,9 @@ def main() -> None:
     parser.add_argument("--tools", default=",".join(ALL_TOOLS))
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
+    parser.add_argument("--compare-before", default=None, metavar="DIR",
+                        help="also time NanWatch from another copy of the package (DIR holds "
+                        "a tb_nanwatch/ directory), e.g. the tree before a performance change")
     args = parser.parse_args()
     sections = set(args.only.split(","))
     quick = args.quick
@@ -428,8 +432,12 @@ def main() -> None:
     }
     rounds = args.rounds or (2 if quick else 7)
     # timed steps per round: about 0.3-1 s of plain fit each on 2 cores
-    steps = {"mlp": 10, "conv": 4, "lstm": 6} if quick else {"mlp": 40, "conv": 10, "lstm": 16}
+    steps = {"mlp": 10, "conv": 4, "lstm": 6} if quick else {"mlp": 40, "conv": 8, "lstm": 16}
     tools = args.tools.split(",")
+    if args.compare_before:
+        os.environ["NWBENCH_BEFORE_PATH"] = os.path.abspath(args.compare_before)
+        tools.insert(tools.index("nanwatch") if "nanwatch" in tools else len(tools),
+                     "nanwatch+before")
     if "tools" in sections:
         results["tools"] = []
         for model in args.models.split(","):

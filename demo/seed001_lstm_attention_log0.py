@@ -1,12 +1,15 @@
 """Seed 001: embedding + LSTM + MultiHeadAttention + Dense logits, a loss that
-takes log of a softmax probability (no epsilon), a learning rate too high.
+takes log of a softmax probability (no epsilon), logits that keep growing.
 
-A temperature slip scales the logits by 100; they grow step after step until, for one example, the true class's
-probability underflows to exactly 0 and the loss is ``-log(0) = inf``, while
-every layer's output is still finite.
+The logits pass through a learnable logit scale ``exp(s)`` (as in CLIP, but
+without CLIP's clamp at 100). While the model gets its examples right, the
+optimizer keeps raising the scale, so the logits grow step after step. Batch
+``MISLABELED_STEP`` carries wrong labels: once the logits are large, a true
+class's probability underflows to exactly 0 and the loss is ``-log(0) = inf``,
+while every layer's output is still finite.
 
-What NaN Watch shows: phase loss, kind inf, layer null; the timeline shows the
-logit max climbing for many steps before it.
+What NaN Watch shows: phase loss, kind inf, layer null, at or before the
+mislabeled batch; the timeline shows the logit max climbing for many steps.
 """
 
 from __future__ import annotations
@@ -25,6 +28,19 @@ import tb_nanwatch
 VOCAB = 50
 SEQ = 8
 BATCH = 16
+STEPS = 320
+MISLABELED_STEP = 280
+
+
+@keras.saving.register_keras_serializable("demo")
+class LogitScale(keras.layers.Layer):
+    """Multiplies by exp(s), s learnable, unclamped."""
+
+    def build(self, input_shape):
+        self.s = self.add_weight(shape=(), initializer="zeros", name="s")
+
+    def call(self, x):
+        return x * tf.exp(self.s)
 
 
 def softmax_then_log(y_true, logits):
@@ -43,20 +59,20 @@ def build_model() -> keras.Model:
     a = keras.layers.MultiHeadAttention(2, 8, name="attention")(h, h)
     h = keras.layers.Add(name="residual")([h, a])
     h = keras.layers.Dense(VOCAB, name="logits")(h)
-    logits = keras.layers.Rescaling(100.0, name="temperature")(h)  # a 1/T = 100 slip
+    logits = LogitScale(name="logit_scale")(h)
     return keras.Model(tokens, logits, name="seed001")
 
 
 def run(log_dir: str) -> dict:
-    """Trains with a too-high learning rate until the loss meets log(0)."""
+    """Trains until the loss meets log(0); returns the incident."""
     keras.utils.set_random_seed(1)
     rng = np.random.RandomState(1)
-    steps = 300
-    x = rng.randint(0, VOCAB, (steps * BATCH, SEQ)).astype("int32")
-    # Noisy labels: the model grows confident and sometimes confidently wrong.
-    y = np.where(rng.uniform(size=(steps * BATCH, 1)) < 0.7, x[:, :1], rng.randint(0, VOCAB, (steps * BATCH, 1))).astype("float32")
+    x = rng.randint(0, VOCAB, (STEPS * BATCH, SEQ)).astype("int32")
+    y = x[:, :1].astype("float32")  # learnable: predict the first token
+    bad = slice(MISLABELED_STEP * BATCH, (MISLABELED_STEP + 1) * BATCH)
+    y[bad] = (y[bad] + VOCAB // 2) % VOCAB  # one mislabeled batch
     model = build_model()
-    model.compile(optimizer=keras.optimizers.Adam(0.05), loss=softmax_then_log)
+    model.compile(optimizer=keras.optimizers.Adam(0.03), loss=softmax_then_log)
     watch = tb_nanwatch.NanWatch(log_dir)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, callbacks=[watch], verbose=0)
     return watch.incident
