@@ -39,26 +39,43 @@ def write_runs(logdir: str, only: list[str] | None = None) -> None:
         started = time.monotonic()
         run_dir = os.path.join(logdir, name)
         result = subprocess.run(
-            [sys.executable, "-m", module, run_dir], cwd=ROOT, env=env, capture_output=True, text=True
+            [sys.executable, "-m", module, run_dir],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
         )
         if result.returncode != 0:
             sys.stderr.write(result.stdout + result.stderr)
             raise SystemExit(f"demo {name} failed")
-        print(f"[{time.monotonic() - started:5.1f}s] {name}: {result.stdout.strip().splitlines()[-1]}")
+        print(
+            f"[{time.monotonic() - started:5.1f}s] {name}: {result.stdout.strip().splitlines()[-1]}"
+        )
 
 
 def serve(logdir: str, port: int) -> None:
     url = f"http://127.0.0.1:{port}/#nanwatch"
     print(f"TensorBoard with the NaN Watch tab: {url}  (Ctrl-C to stop)", flush=True)
     subprocess.run(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", logdir, "--host", "127.0.0.1",
-         "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            logdir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
         check=False,
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--logdir", default="demo_logs")
     parser.add_argument("--serve", action="store_true", help="start TensorBoard afterwards")
     parser.add_argument("--port", type=int, default=6006)

@@ -45,7 +45,11 @@ def build_model() -> keras.Model:
     h = keras.layers.GlobalAveragePooling2D(name="pool")(h)
     base = keras.Model(inp, h, name="base_model")
     return keras.Sequential(
-        [keras.Input((16, 16, 3)), base, keras.layers.Dense(6, activation="sigmoid", name="labels")],
+        [
+            keras.Input((16, 16, 3)),
+            base,
+            keras.layers.Dense(6, activation="sigmoid", name="labels"),
+        ],
         name="seed000",
     )
 
@@ -56,7 +60,7 @@ def run(log_dir: str) -> dict:
     rng = np.random.RandomState(0)
     steps = 60
     x = rng.uniform(0, 1, (steps * BATCH, 16, 16, 3)).astype("float32")
-    x[PAD_STEP * BATCH + 12 :] [:4] = 0.0  # four zero-padding images in batch 37
+    x[PAD_STEP * BATCH + 12 :][:4] = 0.0  # four zero-padding images in batch 37
     y = (rng.uniform(size=(steps * BATCH, 6)) > 0.5).astype("float32")
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     with strategy.scope():

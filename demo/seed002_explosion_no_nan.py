@@ -31,7 +31,11 @@ def run(log_dir: str) -> dict | None:
     x = rng.normal(size=(steps * 16, 8)).astype("float32")
     y = (x @ rng.normal(size=(8, 1))).astype("float32")
     model = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(16, name="hidden"), keras.layers.Dense(1, name="out")],
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, name="hidden"),
+            keras.layers.Dense(1, name="out"),
+        ],
         name="seed002",
     )
     schedule = keras.optimizers.schedules.PiecewiseConstantDecay([JUMP_STEP], [0.01, 0.2])
@@ -43,9 +47,7 @@ def run(log_dir: str) -> dict | None:
             model, "stop_training", model.stop_training or logs["loss"] > 1e12
         )
     )
-    model.fit(
-        x, y, batch_size=16, epochs=1, shuffle=False, callbacks=[watch, give_up], verbose=0
-    )
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, callbacks=[watch, give_up], verbose=0)
     return watch.journal.explosion_onset
 
 

@@ -137,24 +137,14 @@ class NanWatch(keras.callbacks.Callback):
             pre_step_weights=pre_step_weights,
             explosion_factor=explosion_factor,
         )
-        self.window = window
-        self.max_consecutive_skips = max_consecutive_skips
-        self.snapshot_every = snapshot_every
         check_writable(log_dir)
         self.log_dir = log_dir
-        self.on_nonfinite = on_nonfinite
-        self.flush_secs = float(flush_secs)
-        self.pre_step_weights = pre_step_weights
-        self.explosion_factor = float(explosion_factor)
         self.incident: dict | None = None
         self.journal: RunJournal | None = None
         self._recorder: StepRecorder | None = None
         self._host: WatchHost | None = None
         self._disabled = False
         self._siblings: list = []
-        self._step = 0
-        self._epoch = 0
-        self._batch_in_epoch = 0
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -175,19 +165,20 @@ class NanWatch(keras.callbacks.Callback):
             )
             return
         self._siblings = _sibling_callbacks(self)
-        self._step = 0
         self.incident = None
         if self.journal is not None:  # crash safety: the previous fit raised and
             try:  # Keras skipped on_train_end; see tb_nanwatch.crash_safety
                 self.journal.close("raised")
             except Exception as error:  # noqa: BLE001
-                warnings.warn(f"NanWatch could not close the previous record: {error!r}", stacklevel=2)
+                warnings.warn(
+                    f"NanWatch could not close the previous record: {error!r}", stacklevel=2
+                )
         self.journal = None
         try:
             self._recorder = StepRecorder(
                 model,
                 steps_per_execution=getattr(model, "steps_per_execution", 1) or 1,
-                pre_step_weights=self.pre_step_weights,
+                pre_step_weights=self.options.pre_step_weights,
             )
             self._recorder.install()
             self._host = WatchHost(
@@ -204,8 +195,6 @@ class NanWatch(keras.callbacks.Callback):
             self._disable(f"could not instrument the train step: {error!r}")
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
-        self._epoch = epoch
-        self._batch_in_epoch = 0
         if self._host is not None:
             self._host.begin_epoch(epoch)
 
@@ -227,7 +216,9 @@ class NanWatch(keras.callbacks.Callback):
     def on_train_end(self, logs=None) -> None:
         self._restore_model()
         if self.journal is not None:
-            status = "stopped" if self.incident and self.on_nonfinite == "stop" else "finished"
+            status = (
+                "stopped" if self.incident and self.options.on_nonfinite == "stop" else "finished"
+            )
             try:
                 self.journal.close(status)
             except Exception as error:  # noqa: BLE001
@@ -241,8 +232,7 @@ class NanWatch(keras.callbacks.Callback):
         host = self._host
         opened = host.journal is not None
         incident = host.record_new_steps()
-        self.journal, self._step = host.journal, host.step
-        self._batch_in_epoch = host.batch_in_epoch
+        self.journal = host.journal
         if not opened and host.journal is not None:
             not_watched = self._recorder.not_watched()
             if not_watched:
@@ -257,21 +247,22 @@ class NanWatch(keras.callbacks.Callback):
     def _on_incident(self, incident: dict) -> None:
         self.incident = incident
         try:
-            self._save_bundle(incident)
+            self._host.save_bundle(incident)
         except Exception as error:  # noqa: BLE001
-            warnings.warn(f"NanWatch could not save the reproduction bundle: {error!r}")
+            warnings.warn(
+                f"NanWatch could not save the reproduction bundle: {error!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         print(f"NanWatch: {describe_incident(incident)}", file=sys.stderr)
-        if self.on_nonfinite == "stop":
+        if self.options.on_nonfinite == "stop":
             self._protect_siblings(incident)
             self.model.stop_training = True
-        elif self.on_nonfinite == "raise":
+        elif self.options.on_nonfinite == "raise":
             self._restore_model()
             if self.journal is not None:
                 self.journal.close("raised")
             raise NonFiniteError(incident)
-
-    def _save_bundle(self, incident: dict) -> None:
-        self._host.save_bundle(incident)
 
     def _protect_siblings(self, incident: dict) -> None:
         """Keeps BackupAndRestore's last good backup when we stop training.

@@ -89,9 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         "onset; the skipped steps.",
     )
     report.add_argument("logdir", metavar="LOGDIR", help="TensorBoard log directory")
-    report.add_argument(
-        "--json", action="store_true", help="print one JSON object instead of text"
-    )
+    report.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     report.set_defaults(handler=_report)
     _add_export_command(commands)
     return parser

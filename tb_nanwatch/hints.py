@@ -134,9 +134,7 @@ def grad_norm_spike(rec: Record) -> dict | None:
         return None
     norms = series.columns["grad_norm"].astype(np.float64)
     finite = np.isfinite(norms)
-    recent = (
-        finite & (series.steps <= rec.step) & (series.steps >= rec.step - SPIKE_WINDOW)
-    )
+    recent = finite & (series.steps <= rec.step) & (series.steps >= rec.step - SPIKE_WINDOW)
     earlier = finite & (series.steps < rec.step - SPIKE_WINDOW)
     if not recent.any() or earlier.sum() < MIN_BASELINE_STEPS:
         return None
@@ -165,9 +163,7 @@ def saturated_output(rec: Record) -> dict | None:
     """(c) loss broke on a saturated final sigmoid/softmax: use from_logits."""
     if rec.phase != "loss" or rec.step is None:
         return None
-    entries = [
-        e for e in rec.schema.find(kind="logits") if e.tensor.startswith("logits")
-    ]
+    entries = [e for e in rec.schema.find(kind="logits") if e.tensor.startswith("logits")]
     if not entries:
         return None
     best, output = -math.inf, None
@@ -210,11 +206,7 @@ def input_nonfinite(rec: Record) -> dict | None:
     kind = rec.incident.get("kind", "nan")
     clean_before = None
     entry = next(
-        (
-            e
-            for e in rec.schema.find(phase="input")
-            if e.layer == rec.incident.get("layer")
-        ),
+        (e for e in rec.schema.find(phase="input") if e.layer == rec.incident.get("layer")),
         None,
     )
     if rec.flight is not None and entry is not None:

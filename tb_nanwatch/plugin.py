@@ -147,9 +147,7 @@ class NanWatchPlugin(base_plugin.TBPlugin):
         return (metadata.PLUGIN_NAME,)
 
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
-        return base_plugin.FrontendMetadata(
-            es_module_path="/index.js", tab_name="NaN Watch"
-        )
+        return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="NaN Watch")
 
     # -- data access ------------------------------------------------------
 
@@ -178,9 +176,7 @@ class NanWatchPlugin(base_plugin.TBPlugin):
             raise _not_found(f"the series of run {run.name!r} could not be read")
         return series
 
-    def _flight(
-        self, request: wrappers.Request, run: reader.Run
-    ) -> reader.Flight | None:
+    def _flight(self, request: wrappers.Request, run: reader.Run) -> reader.Flight | None:
         return reader.load_flight(
             self._data_provider,
             plugin_util.context(request.environ),

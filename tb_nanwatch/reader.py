@@ -91,9 +91,7 @@ class RunListing:
 
     def fingerprint(self, tags: list[str]) -> tuple:
         """Changes whenever one of ``tags`` gets a new value."""
-        return tuple(
-            (t, self.tags[t].max_step, self.tags[t].max_wall_time) for t in tags
-        )
+        return tuple((t, self.tags[t].max_step, self.tags[t].max_wall_time) for t in tags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +148,7 @@ def decode_json(value: np.ndarray | bytes | str) -> object:
     """Decodes a string tensor (numpy bytes/object array) holding JSON."""
     if isinstance(value, np.ndarray):
         if value.size != 1:
-            raise UnreadableError(
-                f"expected a scalar string tensor, got shape {value.shape}"
-            )
+            raise UnreadableError(f"expected a scalar string tensor, got shape {value.shape}")
         value = value.reshape(()).item()
     if isinstance(value, bytes):
         try:
@@ -174,9 +170,7 @@ def decode_array(value: np.ndarray, ndim: int, width: int | None = None) -> np.n
     if value.ndim != ndim:
         raise UnreadableError(f"expected rank {ndim}, got shape {value.shape}")
     if width is not None and value.shape[-1] != width:
-        raise UnreadableError(
-            f"expected last dimension {width}, got shape {value.shape}"
-        )
+        raise UnreadableError(f"expected last dimension {width}, got shape {value.shape}")
     return value.astype(np.float32, copy=False)
 
 
@@ -256,9 +250,7 @@ class Run:
         return steps
 
     def skipped_count(self) -> int:
-        return sum(
-            last - first + 1 for first, last in self.summary.get("skipped_ranges", [])
-        )
+        return sum(last - first + 1 for first, last in self.summary.get("skipped_ranges", []))
 
 
 # -- provider access --------------------------------------------------------
@@ -334,9 +326,7 @@ def list_runs(
                 problem = f"tag {tag!r}: {error}"
                 break
             if parsed["kind"] != expected:
-                problem = (
-                    f"tag {tag!r} has kind {parsed['kind']!r}, expected {expected!r}"
-                )
+                problem = f"tag {tag!r} has kind {parsed['kind']!r}, expected {expected!r}"
                 break
             tags[tag] = series
         if problem is not None:
@@ -357,9 +347,7 @@ def load_runs(
     listings = list_runs(data_provider, ctx, experiment_id, runs=runs)
     if not listings:
         return {}
-    data = _read(
-        data_provider, ctx, experiment_id, sorted(listings), [metadata.TAG_RUN]
-    )
+    data = _read(data_provider, ctx, experiment_id, sorted(listings), [metadata.TAG_RUN])
     result = {}
     for name in sorted(listings):
         datum = _latest(data.get(name, {}).get(metadata.TAG_RUN, []))
@@ -374,16 +362,12 @@ def load_runs(
     return result
 
 
-def load_run(
-    data_provider: provider.DataProvider, ctx, experiment_id: str, run: str
-) -> Run | None:
+def load_run(data_provider: provider.DataProvider, ctx, experiment_id: str, run: str) -> Run | None:
     """One readable run with its latest summary, or None."""
     return load_runs(data_provider, ctx, experiment_id, runs=[run]).get(run)
 
 
-def _assemble_series(
-    chunks: list[tuple[int, np.ndarray]], columns: list[str]
-) -> Series:
+def _assemble_series(chunks: list[tuple[int, np.ndarray]], columns: list[str]) -> Series:
     """Concatenates (first step, rows) chunks; later chunks win on overlap."""
     if not chunks:
         empty = np.zeros(0, np.float32)
@@ -482,9 +466,7 @@ def load_incident(
 ) -> dict | None:
     """The incident written when the first non-finite step was detected."""
     listing = run_data.listing
-    datum = _load_latest(
-        data_provider, ctx, experiment_id, listing, metadata.TAG_INCIDENT
-    )
+    datum = _load_latest(data_provider, ctx, experiment_id, listing, metadata.TAG_INCIDENT)
     if datum is None:
         return None
     try:
@@ -506,9 +488,7 @@ def load_flight(
 ) -> Flight | None:
     """The flight-recorder window (consecutive steps from the datum's step)."""
     listing, schema = run_data.listing, run_data.schema
-    datum = _load_latest(
-        data_provider, ctx, experiment_id, listing, metadata.TAG_FLIGHT
-    )
+    datum = _load_latest(data_provider, ctx, experiment_id, listing, metadata.TAG_FLIGHT)
     if datum is None:
         return None
     try:

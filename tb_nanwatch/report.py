@@ -165,9 +165,7 @@ def format_run(run: reader.Run, run_hints: list[dict] | None = None) -> str:
         lines.append("  healthy: no NaN/Inf recorded")
     explosion = summary.get("explosion")
     if explosion:
-        lines.append(
-            f"  explosion onset: step {explosion['step']} ({explosion['signal']})"
-        )
+        lines.append(f"  explosion onset: step {explosion['step']} ({explosion['signal']})")
     else:
         lines.append("  explosion onset: none")
     lines.append(f"  skipped steps: {run.skipped_count()}")

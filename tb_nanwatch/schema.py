@@ -11,7 +11,7 @@ as JSON in the run summary, so readers never need TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 PHASES = ("input", "forward", "loss", "backward", "update")
 
@@ -82,7 +82,7 @@ class Schema:
         return {"size": self.size, "entries": [e.to_json() for e in self.entries]}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Schema":
+    def from_json(cls, data: dict) -> Schema:
         schema = cls()
         for raw in data["entries"]:
             entry = Entry(
@@ -103,6 +103,4 @@ class Schema:
     def values(self, vector: Iterable[float], entry: Entry) -> dict[str, float]:
         """The named fields of ``entry`` read from ``vector``."""
         vector = list(vector) if not hasattr(vector, "__getitem__") else vector
-        return {
-            name: float(vector[entry.offset + i]) for i, name in enumerate(entry.fields)
-        }
+        return {name: float(vector[entry.offset + i]) for i, name in enumerate(entry.fields)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -179,7 +179,7 @@ class LayerTaps:
         self._original_losses = (compile_loss, flat)
         compile_loss._flat_losses = wrapped
 
-    def recording(self, tape: tf.GradientTape) -> "_Recording":
+    def recording(self, tape: tf.GradientTape) -> _Recording:
         """Context manager: record the layer calls and losses of this replica."""
         return _Recording(self, tape)
 

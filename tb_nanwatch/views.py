@@ -126,9 +126,7 @@ def entry_nonfinite(schema: Schema, vector: np.ndarray, entry: Entry) -> bool:
     values = schema.values(vector, entry)
     if diagnosis.nonfinite_kind(values["nan"], values["inf"]) is not None:
         return True
-    return any(
-        not math.isfinite(values[name]) for name in ("norm", "value") if name in values
-    )
+    return any(not math.isfinite(values[name]) for name in ("norm", "value") if name in values)
 
 
 def step_rows(schema: Schema, vector: np.ndarray) -> list[dict]:
@@ -161,9 +159,7 @@ def heatmap_layers(schema: Schema) -> list[str]:
         for e in schema.entries
         if e.phase == "forward" and e.kind == "activation" and e.layer
     ]
-    rest = [
-        e.layer for e in schema.entries if e.phase in ("backward", "update") and e.layer
-    ]
+    rest = [e.layer for e in schema.entries if e.phase in ("backward", "update") and e.layer]
     return list(dict.fromkeys(forward + rest))
 
 

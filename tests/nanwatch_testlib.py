@@ -29,6 +29,20 @@ BIG_LAYER = 3
 HEALTHY_STEPS = 300
 XSS_RUN = "<img src=x onerror=alert(1)>"
 
+# Debian's Chromium, headless; the networking flags keep it off this machine's
+# closed network (Playwright must not download a browser of its own).
+CHROMIUM = os.environ.get("NANWATCH_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
 CTX = context.RequestContext()
 
 
@@ -92,9 +106,7 @@ def write_vector_run(
     """Records ``steps`` steps through the real journal; ``edit(step, vector,
     schema)`` may change each vector. Stops at the first incident."""
     schema = build_schema(num_layers)
-    journal = RunJournal(
-        log_dir, schema, {"model": "vectors"}, flush_secs=1e9, **journal_kwargs
-    )
+    journal = RunJournal(log_dir, schema, {"model": "vectors"}, flush_secs=1e9, **journal_kwargs)
     status = "finished"
     for step in range(steps):
         vector = base_vector(schema, step)
@@ -149,9 +161,7 @@ def data_server_provider(logdir: str, expect_runs: int, timeout: float = 30.0):
         provider = ingester.data_provider
         deadline = time.monotonic() + timeout
         while True:
-            runs = provider.list_tensors(
-                CTX, experiment_id="", plugin_name=metadata.PLUGIN_NAME
-            )
+            runs = provider.list_tensors(CTX, experiment_id="", plugin_name=metadata.PLUGIN_NAME)
             loaded = [r for r, tags in runs.items() if metadata.TAG_RUN in tags]
             if len(loaded) >= expect_runs or time.monotonic() > deadline:
                 break
@@ -164,12 +174,8 @@ def data_server_provider(logdir: str, expect_runs: int, timeout: float = 30.0):
 
 def make_client(provider, logdir: str) -> werkzeug_test.Client:
     """A werkzeug client on TensorBoard's WSGI app holding only our plugin."""
-    tb_context = base_plugin.TBContext(
-        data_provider=provider, logdir=logdir, sampling_hints={}
-    )
-    app = application.TensorBoardWSGI(
-        [NanWatchPlugin(tb_context)], data_provider=provider
-    )
+    tb_context = base_plugin.TBContext(data_provider=provider, logdir=logdir, sampling_hints={})
+    app = application.TensorBoardWSGI([NanWatchPlugin(tb_context)], data_provider=provider)
     return werkzeug_test.Client(app)
 
 

@@ -28,7 +28,9 @@ class Norm(keras.layers.Layer):
 
 
 def _rows(steps: int, features: int, seed: int = 0) -> np.ndarray:
-    return np.random.RandomState(seed).uniform(0.5, 1.5, (steps * BATCH, features)).astype("float32")
+    return (
+        np.random.RandomState(seed).uniform(0.5, 1.5, (steps * BATCH, features)).astype("float32")
+    )
 
 
 def forward_log_negative(nan_step: int = 6, steps: int = 12):
@@ -128,7 +130,9 @@ def nested_model(nan_step: int = 3, steps: int = 8):
     backbone = keras.Sequential(
         [
             keras.Input((2,)),
-            keras.layers.Dense(2, kernel_initializer="identity", trainable=False, name="block1_dense"),
+            keras.layers.Dense(
+                2, kernel_initializer="identity", trainable=False, name="block1_dense"
+            ),
             Log(name="block2_log"),
         ],
         name="backbone",

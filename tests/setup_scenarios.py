@@ -11,6 +11,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
+from scenarios import Log
 
 BATCH = 8
 
@@ -22,12 +23,6 @@ class Ratio(keras.layers.Layer):
     def call(self, inputs):
         num, den = inputs
         return num[:, :1] / den
-
-
-@keras.saving.register_keras_serializable("setup_tests")
-class Log(keras.layers.Layer):
-    def call(self, x):
-        return tf.math.log(x)
 
 
 @keras.saving.register_keras_serializable("setup_tests")

@@ -23,30 +23,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS, XSS_RUN
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM = os.environ.get("NANWATCH_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-XSS_RUN = "<img src=x onerror=alert(1)>"
 IFRAME = 'iframe[src*="plugin_entry.html?name=nanwatch"]'
 TIMEOUT_MS = 30_000
 
 pytestmark = [
-    pytest.mark.skipif(
-        not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM}"
-    ),
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no Chromium at {CHROMIUM}"),
     pytest.mark.timeout(300),
 ]
 
@@ -193,9 +180,7 @@ class Watched:
         if msg.type == "error" and "/font-roboto/" in url and "plugin" not in url:
             return
         if msg.type == "error":
-            self.errors.append(
-                f"console.error: {msg.text} @ {msg.location.get('url', '')}"
-            )
+            self.errors.append(f"console.error: {msg.text} @ {msg.location.get('url', '')}")
 
     def _on_dialog(self, dialog):
         self.dialogs.append(dialog.message)
@@ -250,9 +235,7 @@ def test_nanwatch_tab_shows_the_incident(browser, watched, logs, tmp_path):
         card = frame.locator("#incident-card")
         card.locator("[data-field=step]").wait_for(timeout=TIMEOUT_MS)
         assert card.get_attribute("data-state") == "nonfinite"
-        assert card.locator("[data-field=step]").inner_text().strip() == str(
-            expect["step"]
-        )
+        assert card.locator("[data-field=step]").inner_text().strip() == str(expect["step"])
         assert card.locator("[data-field=layer]").inner_text().strip() == (
             expect["layer"] or "(none)"
         )
@@ -260,9 +243,7 @@ def test_nanwatch_tab_shows_the_incident(browser, watched, logs, tmp_path):
         # Run selector: the broken run is flagged, the healthy one is healthy.
         sel = frame.locator("#run-selector")
         assert (
-            sel.locator(f'.run-item[data-run="{expect["broken"]}"]').get_attribute(
-                "data-state"
-            )
+            sel.locator(f'.run-item[data-run="{expect["broken"]}"]').get_attribute("data-state")
             == "nonfinite"
         )
         if expect.get("healthy"):
@@ -301,48 +282,38 @@ def test_nanwatch_tab_shows_the_incident(browser, watched, logs, tmp_path):
         table = frame.locator("#step-table")
         origin_box = origin.bounding_box()
         canvas_box = frame.locator("#heatmap canvas").bounding_box()
-        watched.page.mouse.click(
-            origin_box["x"] + origin_box["width"] / 2, canvas_box["y"] + 3
+        watched.page.mouse.click(origin_box["x"] + origin_box["width"] / 2, canvas_box["y"] + 3)
+        frame.locator(f'#step-table[data-state=ready][data-step="{expect["step"]}"]').wait_for(
+            timeout=TIMEOUT_MS
         )
-        frame.locator(
-            f'#step-table[data-state=ready][data-step="{expect["step"]}"]'
-        ).wait_for(timeout=TIMEOUT_MS)
         assert table.locator("tbody tr").count() > 0
         assert table.locator("td.nonfinite").count() > 0
 
         # Clicking the timeline loads the clicked step (a table, or the nearest recorded steps).
         over = frame.locator("#timeline .u-over").bounding_box()
-        watched.page.mouse.move(
-            over["x"] + over["width"] * 0.3, over["y"] + over["height"] / 2
-        )
-        watched.page.mouse.click(
-            over["x"] + over["width"] * 0.3, over["y"] + over["height"] / 2
-        )
+        watched.page.mouse.move(over["x"] + over["width"] * 0.3, over["y"] + over["height"] / 2)
+        watched.page.mouse.click(over["x"] + over["width"] * 0.3, over["y"] + over["height"] / 2)
         frame.locator(f'#step-table:not([data-step="{expect["step"]}"])').wait_for(
             timeout=TIMEOUT_MS
         )
-        frame.locator(
-            "#step-table[data-state=ready], #step-table[data-state=missing]"
-        ).wait_for(timeout=TIMEOUT_MS)
+        frame.locator("#step-table[data-state=ready], #step-table[data-state=missing]").wait_for(
+            timeout=TIMEOUT_MS
+        )
         if table.get_attribute("data-state") == "missing":
             # Follow the first suggested recorded step.
             suggestion = table.locator("button[data-step]").first
             step = suggestion.get_attribute("data-step")
             suggestion.click()
-            frame.locator(
-                f'#step-table[data-state=ready][data-step="{step}"]'
-            ).wait_for(timeout=TIMEOUT_MS)
+            frame.locator(f'#step-table[data-state=ready][data-step="{step}"]').wait_for(
+                timeout=TIMEOUT_MS
+            )
 
         # Hover read-out of exact values (uPlot's live legend); the run stopped
         # at the incident, whose NaN loss is the last point.
-        watched.page.mouse.move(
-            over["x"] + over["width"] * 0.5, over["y"] + over["height"] / 2
-        )
+        watched.page.mouse.move(over["x"] + over["width"] * 0.5, over["y"] + over["height"] / 2)
         assert "loss" in frame.locator("#timeline .u-legend").inner_text()
         if expect.get("stops_at_incident"):
-            watched.page.mouse.move(
-                over["x"] + over["width"] - 1, over["y"] + over["height"] / 2
-            )
+            watched.page.mouse.move(over["x"] + over["width"] - 1, over["y"] + over["height"] / 2)
             legend = frame.locator("#timeline .u-legend").inner_text()
             assert str(expect["step"]) in legend and "NaN" in legend, legend
 
@@ -353,9 +324,7 @@ def test_nanwatch_tab_shows_the_incident(browser, watched, logs, tmp_path):
         watched.page.mouse.move(over["x"] + over["width"] * 0.5, y, steps=5)
         watched.page.mouse.move(over["x"] + over["width"] * 0.6, y, steps=5)
         watched.page.mouse.up()
-        frame.locator("#timeline[data-state=ready][data-bucket='1']").wait_for(
-            timeout=TIMEOUT_MS
-        )
+        frame.locator("#timeline[data-state=ready][data-bucket='1']").wait_for(timeout=TIMEOUT_MS)
         start, end = (
             int(timeline.get_attribute("data-start")),
             int(timeline.get_attribute("data-end")),
@@ -393,9 +362,7 @@ def xss_logdir(tmp_path_factory) -> Path:
 def test_run_names_render_as_text(browser, watched, xss_logdir, tmp_path):
     with tensorboard(xss_logdir, tmp_path) as base:
         frame = watched.open_tab(base)
-        frame.locator("#incident-card[data-state=nonfinite]").wait_for(
-            timeout=TIMEOUT_MS
-        )
+        frame.locator("#incident-card[data-state=nonfinite]").wait_for(timeout=TIMEOUT_MS)
         frame.locator("#timeline[data-state=ready]").wait_for(timeout=TIMEOUT_MS)
         assert frame.locator(".run-name").first.inner_text() == XSS_RUN
         assert frame.locator(".run-title").first.inner_text() == XSS_RUN
@@ -409,13 +376,8 @@ def test_run_names_render_as_text(browser, watched, xss_logdir, tmp_path):
 def test_tab_loads_under_path_prefix(browser, watched, xss_logdir, tmp_path):
     with tensorboard(xss_logdir, tmp_path, path_prefix="/tb") as base:
         frame = watched.open_tab(base)
-        frame.locator("#incident-card[data-state=nonfinite]").wait_for(
-            timeout=TIMEOUT_MS
-        )
+        frame.locator("#incident-card[data-state=nonfinite]").wait_for(timeout=TIMEOUT_MS)
         frame.locator("#timeline[data-state=ready]").wait_for(timeout=TIMEOUT_MS)
         frame.locator("#heatmap[data-state=ready]").wait_for(timeout=TIMEOUT_MS)
-        assert (
-            frame.locator("#incident-card [data-field=step]").inner_text().strip()
-            == "40"
-        )
+        assert frame.locator("#incident-card [data-field=step]").inner_text().strip() == "40"
         assert watched.errors == [], watched.errors

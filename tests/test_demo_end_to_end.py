@@ -15,9 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from test_browser import Watched, _canvas_ink, tensorboard  # noqa: F401 (fixtures below)
-from test_browser import browser  # noqa: F401
+from test_browser import (  # noqa: F401 (fixtures below)
+    Watched,
+    _canvas_ink,
+    browser,  # noqa: F401
+    tensorboard,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,7 +83,10 @@ def test_tensorboard_and_browser_show_the_demo_incident(browser, demo_logs, tmp_
             card = panel.locator(".incident-card")
             card.locator("[data-field=step]").wait_for(timeout=30000)
             assert card.locator("[data-field=step]").inner_text().strip() == "37"
-            assert card.locator("[data-field=layer]").inner_text().strip() == "base_model/per_image_std"
+            assert (
+                card.locator("[data-field=layer]").inner_text().strip()
+                == "base_model/per_image_std"
+            )
             heatmap = panel.locator(".heatmap")
             heatmap.locator("canvas").first.wait_for(timeout=30000)
             assert heatmap.get_attribute("data-origin-step") == "37"

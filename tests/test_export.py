@@ -10,27 +10,15 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
-from nanwatch_testlib import XSS_RUN
+from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS, XSS_RUN
 
 from tb_nanwatch import cli, export
 from tb_nanwatch.synthetic import write_synthetic_run
 
-CHROMIUM = os.environ.get("NANWATCH_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 TIMEOUT_MS = 30_000
 STEPS, INCIDENT, LAYER = 3000, 2500, 3
 LAYER_NAME = f"model/block0/layer{LAYER}"

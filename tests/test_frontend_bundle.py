@@ -38,9 +38,7 @@ def _missing_toolchain() -> str | None:
 def test_bundle_files_exist():
     for name in BUNDLE_FILES:
         path = STATIC / name
-        assert path.is_file(), (
-            f"{path} missing: run `cd frontend && npm ci && npm run build`"
-        )
+        assert path.is_file(), f"{path} missing: run `cd frontend && npm ci && npm run build`"
         assert path.stat().st_size > 0
 
 
@@ -59,9 +57,7 @@ def test_bundle_is_not_stale(tmp_path):
         text=True,
         timeout=300,
     )
-    assert result.returncode == 0, (
-        f"npm run build failed:\n{result.stdout}\n{result.stderr}"
-    )
+    assert result.returncode == 0, f"npm run build failed:\n{result.stdout}\n{result.stderr}"
     for name in BUNDLE_FILES:
         built = (out / name).read_bytes()
         committed = (STATIC / name).read_bytes()
@@ -94,9 +90,7 @@ _PROTOCOL_RELATIVE = re.compile(rb"""(?:url\(|["'`])\s*//[A-Za-z0-9]""")
 @pytest.mark.parametrize("name", BUNDLE_FILES)
 def test_bundle_fetches_nothing_remote(name):
     data = (STATIC / name).read_bytes()
-    found = [
-        m.group(0) + data[m.end() : m.end() + 60] for m in _REMOTE_URL.finditer(data)
-    ]
+    found = [m.group(0) + data[m.end() : m.end() + 60] for m in _REMOTE_URL.finditer(data)]
     assert not found, f"{name} mentions remote URLs (CDN?): {found[:5]}"
     assert not _PROTOCOL_RELATIVE.search(data), f"{name} has a protocol-relative URL"
 
@@ -111,9 +105,9 @@ def test_bundle_uses_relative_data_urls(name):
 
 def test_bundle_exports_render_and_loads_relative_stylesheet():
     js = (STATIC / "index.js").read_bytes()
-    assert re.search(
-        rb"export\s*\{[^}]*\bas render\b|export\s*\{[^}]*\brender\b", js
-    ), "index.js must export render()"
+    assert re.search(rb"export\s*\{[^}]*\bas render\b|export\s*\{[^}]*\brender\b", js), (
+        "index.js must export render()"
+    )
     assert b'"style.css"' in js, "index.js must load style.css by a relative URL"
     assert b"innerHTML" not in js, "render text with textContent, never innerHTML"
     css = (STATIC / "style.css").read_bytes()

@@ -39,9 +39,7 @@ def flight(first: int, last: int, edit=None) -> Flight:
 
 
 def entry(phase: str, kind: str, layer):
-    return next(
-        e for e in SCHEMA.entries if (e.phase, e.kind, e.layer) == (phase, kind, layer)
-    )
+    return next(e for e in SCHEMA.entries if (e.phase, e.kind, e.layer) == (phase, kind, layer))
 
 
 def incident(step: int, phase: str, layer=None, kind: str = "nan", **extra) -> dict:
@@ -81,9 +79,7 @@ def rising_logits(n: int = 51, rise_from: int = 40) -> np.ndarray:
 
 
 def test_logits_rising_fires_with_count_and_values():
-    rec = hints.Record(
-        SCHEMA, incident(50, "loss"), series=series(51, logit_max=rising_logits())
-    )
+    rec = hints.Record(SCHEMA, incident(50, "loss"), series=series(51, logit_max=rising_logits()))
     hint = only(rec, "logits_rising")
     assert hint["evidence"]["steps"] == 10
     assert hint["evidence"]["first"] == 5.0 and hint["evidence"]["last"] == 15.0
@@ -94,9 +90,7 @@ def test_logits_rising_fires_with_count_and_values():
 def test_logits_rising_stops_at_a_nonfinite_incident_value():
     logits = rising_logits()
     logits[50] = np.nan
-    rec = hints.Record(
-        SCHEMA, incident(50, "loss"), series=series(51, logit_max=logits)
-    )
+    rec = hints.Record(SCHEMA, incident(50, "loss"), series=series(51, logit_max=logits))
     assert only(rec, "logits_rising")["evidence"]["last_step"] == 49
 
 
@@ -165,9 +159,7 @@ def saturated(step, vector, low=-31.0, high=2.0):
 
 
 def test_saturated_output_fires_from_the_flight_window():
-    rec = hints.Record(
-        SCHEMA, incident(20, "loss", kind="inf"), flight=flight(10, 20, saturated)
-    )
+    rec = hints.Record(SCHEMA, incident(20, "loss", kind="inf"), flight=flight(10, 20, saturated))
     hint = only(rec, "saturated_output")
     assert hint["evidence"]["max_abs_logit"] == 31.0
     assert hint["evidence"]["output"] == LAYERS[-1]
@@ -188,7 +180,10 @@ def test_saturated_output_does_not_fire_without_support(case):
     schema = SCHEMA
     edit = saturated
     if case == "moderate":
-        edit = lambda step, vector: saturated(step, vector, -3.0, 3.0)
+
+        def edit(step, vector):
+            return saturated(step, vector, -3.0, 3.0)
+
     if case == "no_activation":
         # The recorder names a plain output "output of ...": no sigmoid/softmax.
         schema = build_schema(3)
@@ -264,9 +259,7 @@ def test_adam_epsilon_fires_on_a_zero_gradient():
     assert "epsilon" in hint["text"]
 
 
-@pytest.mark.parametrize(
-    "case", ["nonzero_gradients", "no_flight", "not_update", "outside_window"]
-)
+@pytest.mark.parametrize("case", ["nonzero_gradients", "no_flight", "not_update", "outside_window"])
 def test_adam_epsilon_does_not_fire_without_support(case):
     record = {
         "nonzero_gradients": hints.Record(SCHEMA, UPDATE, flight=flight(30, 40)),
@@ -274,18 +267,14 @@ def test_adam_epsilon_does_not_fire_without_support(case):
         "not_update": hints.Record(
             SCHEMA, incident(40, "forward", LAYERS[1]), flight=flight(30, 40, zero_grad)
         ),
-        "outside_window": hints.Record(
-            SCHEMA, UPDATE, flight=flight(10, 20, zero_grad)
-        ),
+        "outside_window": hints.Record(SCHEMA, UPDATE, flight=flight(10, 20, zero_grad)),
     }[case]
     assert "adam_epsilon" not in ids(record)
 
 
 # (f) backward-phase origin with a finite forward pass ----------------------
 
-BACKWARD = incident(
-    25, "backward", LAYERS[1], tensor=f"gradient w.r.t. output of {LAYERS[1]}"
-)
+BACKWARD = incident(25, "backward", LAYERS[1], tensor=f"gradient w.r.t. output of {LAYERS[1]}")
 
 
 def test_backward_origin_fires_with_finite_forward():
@@ -307,24 +296,16 @@ def forward_nan(step, vector):
     vector[activation.offset] = 1.0
 
 
-@pytest.mark.parametrize(
-    "case", ["forward_nonfinite", "loss_scaler_streak", "nan_loss", "no_data"]
-)
+@pytest.mark.parametrize("case", ["forward_nonfinite", "loss_scaler_streak", "nan_loss", "no_data"])
 def test_backward_origin_does_not_fire_without_support(case):
     record = {
-        "forward_nonfinite": hints.Record(
-            SCHEMA, BACKWARD, flight=flight(20, 25, forward_nan)
-        ),
+        "forward_nonfinite": hints.Record(SCHEMA, BACKWARD, flight=flight(20, 25, forward_nan)),
         "loss_scaler_streak": hints.Record(
             SCHEMA,
-            incident(
-                25, "backward", None, tensor="scaled gradients", note="20 skipped"
-            ),
+            incident(25, "backward", None, tensor="scaled gradients", note="20 skipped"),
             flight=flight(20, 25),
         ),
-        "nan_loss": hints.Record(
-            SCHEMA, BACKWARD, series=series(26, loss=np.full(26, np.nan))
-        ),
+        "nan_loss": hints.Record(SCHEMA, BACKWARD, series=series(26, loss=np.full(26, np.nan))),
         "no_data": hints.Record(SCHEMA, BACKWARD),
     }[case]
     assert "backward_origin" not in ids(record)
@@ -364,9 +345,7 @@ def test_explosion_reads_the_logits_signal():
     assert only(rec, "explosion")["evidence"]["peak"] == 500.0
 
 
-@pytest.mark.parametrize(
-    "case", ["with_incident", "flat_series", "no_explosion", "no_series"]
-)
+@pytest.mark.parametrize("case", ["with_incident", "flat_series", "no_explosion", "no_series"])
 def test_explosion_does_not_fire_without_support(case):
     loss = np.ones(80) if case == "flat_series" else exploding_loss()
     rec = hints.Record(

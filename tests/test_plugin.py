@@ -195,9 +195,7 @@ def test_step_table_from_flight_window_and_snapshot(client):
     rows = body["rows"]
     assert [r["phase"] for r in rows][:2] == ["input", "forward"]
     origin = next(
-        r
-        for r in rows
-        if r["kind"] == "activation" and r["layer"] == "model/block0/layer3"
+        r for r in rows if r["kind"] == "activation" and r["layer"] == "model/block0/layer3"
     )
     assert origin["nan"] == 3
     assert origin["min"] == "NaN" and origin["max_abs"] == "NaN"
@@ -252,9 +250,7 @@ def test_post_is_refused(py_client):
     assert "error" in lib.strict_json(response.get_data(as_text=True))
 
 
-def test_unexpected_failure_is_logged_and_answered_without_500(
-    py_client, monkeypatch, caplog
-):
+def test_unexpected_failure_is_logged_and_answered_without_500(py_client, monkeypatch, caplog):
     def boom(*args, **kwargs):
         raise RuntimeError("disk on fire")
 

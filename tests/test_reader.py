@@ -39,9 +39,7 @@ def test_series_is_the_latest_value_of_every_chunk(mux):
     series = reader.load_series(mux, CTX, "", run)
     np.testing.assert_array_equal(series.steps, np.arange(2500))
     assert list(series.columns) == run.summary["series_columns"]
-    np.testing.assert_allclose(
-        series.columns["loss"], 1.0 + np.arange(2500) / 1000, rtol=1e-6
-    )
+    np.testing.assert_allclose(series.columns["loss"], 1.0 + np.arange(2500) / 1000, rtol=1e-6)
     np.testing.assert_array_equal(series.columns["iterations"], np.arange(2500))
     assert series.value("lr", 1234) == pytest.approx(1e-3)
     assert series.index_of(2500) is None
@@ -50,9 +48,7 @@ def test_series_is_the_latest_value_of_every_chunk(mux):
 def test_data_server_reads_the_same(logdir, mux):
     if lib.data_server_binary() is None:
         pytest.skip("tensorboard_data_server binary not installed")
-    expected = reader.load_series(
-        mux, CTX, "", reader.load_run(mux, CTX, "", "flushed")
-    )
+    expected = reader.load_series(mux, CTX, "", reader.load_run(mux, CTX, "", "flushed"))
     with lib.data_server_provider(logdir, expect_runs=1) as grpc:
         run = reader.load_run(grpc, CTX, "", "flushed")
         series = reader.load_series(grpc, CTX, "", run)
@@ -121,9 +117,7 @@ class FakeProvider:
     def __init__(self, data):
         self.data = data
 
-    def list_tensors(
-        self, ctx=None, *, experiment_id, plugin_name, run_tag_filter=None
-    ):
+    def list_tensors(self, ctx=None, *, experiment_id, plugin_name, run_tag_filter=None):
         runs = run_tag_filter.runs if run_tag_filter else None
         return {
             run: {
@@ -207,27 +201,17 @@ def test_fake_runs_good_and_bad_are_sorted_out(caplog):
                 metadata.series_tag(0): (_content("series"), [_datum(0, series)]),
                 "nanwatch/some_future_tag": (_content("run"), []),
             },
-            "newer": {
-                metadata.TAG_RUN: (_content("run", 2), [_datum(1, _string(good))])
-            },
+            "newer": {metadata.TAG_RUN: (_content("run", 2), [_datum(1, _string(good))])},
             "garbled": {metadata.TAG_RUN: (b"\xff not json", [])},
             "wrong_kind": {metadata.TAG_RUN: (_content("series"), [])},
-            "bad_json": {
-                metadata.TAG_RUN: (_content("run"), [_datum(1, _string("{nope"))])
-            },
+            "bad_json": {metadata.TAG_RUN: (_content("run"), [_datum(1, _string("{nope"))])},
             "newer_summary": {
                 metadata.TAG_RUN: (
                     _content("run"),
-                    [
-                        _datum(
-                            1, _string(json.dumps(_summary(schema, format_version=9)))
-                        )
-                    ],
+                    [_datum(1, _string(json.dumps(_summary(schema, format_version=9))))],
                 )
             },
-            "no_summary": {
-                metadata.series_tag(0): (_content("series"), [_datum(0, series)])
-            },
+            "no_summary": {metadata.series_tag(0): (_content("series"), [_datum(0, series)])},
         }
     )
     reader._warned.clear()

@@ -8,12 +8,11 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import scenarios
 import tensorflow as tf
 
 import tb_nanwatch
 from tb_nanwatch.callback import NonFiniteError
-
-import scenarios
 
 ORIGIN_CASES = [
     scenarios.forward_log_negative,
@@ -116,7 +115,7 @@ def test_math_is_bitwise_identical_with_and_without_the_watcher(tmp_path):
     losses_a, weights_a = run(False)
     losses_b, weights_b = run(True)
     assert losses_a == losses_b
-    for a, b in zip(weights_a, weights_b):
+    for a, b in zip(weights_a, weights_b, strict=True):
         assert a.tobytes() == b.tobytes()
 
 
@@ -124,7 +123,11 @@ def test_raise_mode_raises_after_writing(tmp_path):
     keras.utils.set_random_seed(0)
     model, kwargs, truth = scenarios.input_nan()
     with pytest.raises(NonFiniteError) as info:
-        model.fit(**kwargs, callbacks=[tb_nanwatch.NanWatch(str(tmp_path), on_nonfinite="raise")], verbose=0)
+        model.fit(
+            **kwargs,
+            callbacks=[tb_nanwatch.NanWatch(str(tmp_path), on_nonfinite="raise")],
+            verbose=0,
+        )
     assert info.value.incident["step"] == truth["step"]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
 

@@ -35,9 +35,7 @@ def _explodes(step, vector, schema):
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("report_logs")
-    write_synthetic_run(
-        str(root / "a" / "big"), 300, incident_step=250, incident_layer=3
-    )
+    write_synthetic_run(str(root / "a" / "big"), 300, incident_step=250, incident_layer=3)
     write_synthetic_run(str(root / "healthy"), 50, num_layers=2)
     lib.write_vector_run(str(root / "skips"), 40, _skips)
     lib.write_vector_run(str(root / "explodes"), 130, _explodes)

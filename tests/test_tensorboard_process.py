@@ -68,9 +68,7 @@ def tensorboard(logdir: str, load_fast: bool, log_path):
                     if status == 200 and json.loads(body)["nanwatch"]["enabled"]:
                         break
                 if time.monotonic() > deadline:
-                    pytest.fail(
-                        f"nanwatch never enabled: {log_path.read_text()[-3000:]}"
-                    )
+                    pytest.fail(f"nanwatch never enabled: {log_path.read_text()[-3000:]}")
                 time.sleep(0.5)
             yield base
         finally:
