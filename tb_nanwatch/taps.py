@@ -45,6 +45,36 @@ def _float_tensors(value: Any) -> list[tf.Tensor]:
     ]
 
 
+def _own_copy(value: Any) -> Any:
+    """A float tensor as a fresh identity (Keras mask kept); anything else as is."""
+    if not isinstance(value, tf.Tensor) or not value.dtype.is_floating:
+        return value
+    copy = tf.identity(value)
+    mask = getattr(value, "_keras_mask", None)
+    if mask is not None:
+        copy._keras_mask = mask
+    return copy
+
+
+def _own_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tf.Tensor]]:
+    """Gives a layer its own copy of its first input.
+
+    A tensor feeding several layers has one gradient, the sum over all of
+    them; through its own identity copy each layer's input gradient holds
+    only that layer's share, so a NaN made in one consumer's backward pass is
+    not blamed on another. The identity changes no value.
+    """
+    if args:
+        first = tf.nest.map_structure(_own_copy, args[0])
+        args = (first,) + tuple(args[1:])
+    elif "inputs" in kwargs:
+        first = tf.nest.map_structure(_own_copy, kwargs["inputs"])
+        kwargs = {**kwargs, "inputs": first}
+    else:
+        return args, kwargs, []
+    return args, kwargs, _float_tensors(first)
+
+
 def layer_paths(model: keras.Model) -> dict[int, str]:
     """Maps ``id(layer)`` to a path such as ``backbone/block2_conv``.
 
@@ -120,26 +150,28 @@ class LayerTaps:
         taps = self
 
         def call(*args, **kwargs):
-            outputs = original(*args, **kwargs)
             trace = taps.active
             # Calls traced into an inner graph (an RNN cell inside a while
             # loop, a nested tf.function) cannot be used from the step graph.
-            if trace is not None and tf.compat.v1.get_default_graph() is trace.graph:
-                taps._record(trace, path, args, kwargs, outputs)
+            if trace is None or tf.compat.v1.get_default_graph() is not trace.graph:
+                return original(*args, **kwargs)
+            args, kwargs, inputs = _own_inputs(args, kwargs)
+            for t in inputs:
+                trace.tape.watch(t)
+            outputs = original(*args, **kwargs)
+            taps._record(trace, path, inputs, outputs)
             return outputs
 
         return call
 
-    def _record(self, trace: StepTrace, path: str, args, kwargs, outputs) -> None:
-        first_input = args[0] if args else kwargs.get("inputs")
-        inputs = _float_tensors(first_input)
+    def _record(self, trace: StepTrace, path: str, inputs: list, outputs) -> None:
         outs = _float_tensors(outputs)
         if not outs:
             return
         count = trace.call_counts.get(path, 0) + 1
         trace.call_counts[path] = count
         name = path if count == 1 else f"{path}#{count}"
-        for t in inputs + outs:
+        for t in outs:
             trace.tape.watch(t)
         trace.calls.append(LayerCall(name, inputs, outs))
 

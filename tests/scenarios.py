@@ -189,3 +189,24 @@ def mixed_precision_skips(steps: int = 40):
     model = keras.Model(inp, out, name="mixed_case")
     model.compile(optimizer=keras.optimizers.SGD(1e-5), loss="mse")
     return model, dict(x=x, y=y, batch_size=BATCH, shuffle=False), None
+
+
+def backward_fan_out(zero_step: int = 3, steps: int = 8):
+    """``encode``'s output feeds both ``norm`` and ``concat``; ``norm`` runs first.
+
+    The NaN is born in norm's backward pass (sqrt at an all-zero row); the
+    gradient of the shared tensor is the sum of both consumers' shares, so
+    only per-consumer input gradients can tell ``norm`` from ``concat``.
+    """
+    x = _rows(steps, 3, seed=9)
+    x[zero_step * BATCH + 2] = 0.0
+    inp = keras.Input((3,), name="x")
+    h = keras.layers.Dense(4, use_bias=False, name="encode")(inp)
+    n = Norm(name="norm")(h)
+    c = keras.layers.Concatenate(name="concat")([h, n])
+    out = keras.layers.Dense(1, name="head")(c)
+    model = keras.Model(inp, out, name="fan_out_case")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    y = np.ones((len(x), 1), "float32")
+    truth = {"step": zero_step, "phase": "backward", "layer": "norm", "kind": "nan"}
+    return model, dict(x=x, y=y, batch_size=BATCH, shuffle=False), truth

@@ -21,6 +21,7 @@ ORIGIN_CASES = [
     scenarios.backward_sqrt_zero,
     scenarios.update_adam_eps0,
     scenarios.nested_model,
+    scenarios.backward_fan_out,
 ]
 
 
