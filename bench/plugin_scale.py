@@ -391,6 +391,8 @@ def main() -> None:
     parser.add_argument("--logdir", default=None, help="reuse/keep this log dir")
     parser.add_argument("--json", default=None)
     parser.add_argument("--no-browser", action="store_true")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip TensorBoard's RSS on an empty log dir")
     args = parser.parse_args()
     logdir = args.logdir or tempfile.mkdtemp(prefix="nwbench-plugin-")
     run = f"synthetic_{args.steps}x{args.layers}"
@@ -414,7 +416,7 @@ def main() -> None:
         tb.stop()
     fast, _ = measure_server(logdir, run, recorded, True, args.requests)
     servers.append(fast)
-    for server, load_fast in ((slow, False), (fast, True)):
+    for server, load_fast in () if args.no_baseline else ((slow, False), (fast, True)):
         base = baseline_rss(load_fast)
         server["empty_tb_rss_mib"] = base["tb_rss_mib"]
         server["empty_server_rss_mib"] = base["server_rss_mib"]

@@ -117,8 +117,7 @@ _SUMSQ_ATTR = "_nanwatch_sum_squares"
 def sum_squares(t) -> tf.Tensor:
     """Sum of squares, float32: one fused ``L2Loss`` op (2 * sum(t**2) / 2),
     half the ops and memory traffic of ``reduce_sum(t * t)``. Cached on the
-    tensor: the gradient w.r.t. a layer's input is often the very tensor of
-    the gradient w.r.t. the previous layer's output."""
+    tensor, so a tensor watched twice is reduced once."""
     if isinstance(t, tf.IndexedSlices):
         t = t.values
     cached = getattr(t, _SUMSQ_ATTR, None)
