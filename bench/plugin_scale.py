@@ -140,11 +140,15 @@ class TensorBoard:
         self.proc = subprocess.Popen(
             [
                 shutil.which("tensorboard") or "tensorboard",
-                "--logdir", logdir,
-                "--host", "127.0.0.1",
-                "--port", str(self.port),
+                "--logdir",
+                logdir,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
                 f"--load_fast={'true' if load_fast else 'false'}",
-                "--reload_interval", "5",
+                "--reload_interval",
+                "5",
             ],
             stdout=subprocess.DEVNULL,
             stderr=open(self.log_path, "w"),
@@ -227,8 +231,9 @@ def baseline_rss(load_fast: bool) -> dict:
         shutil.rmtree(empty, ignore_errors=True)
 
 
-def measure_server(logdir: str, run: str, steps: int, load_fast: bool, requests: int,
-                   keep: bool = False) -> tuple[dict, TensorBoard | None]:
+def measure_server(
+    logdir: str, run: str, steps: int, load_fast: bool, requests: int, keep: bool = False
+) -> tuple[dict, TensorBoard | None]:
     mode = f"load_fast={'true' if load_fast else 'false'}"
     log(f"starting tensorboard {mode}")
     tb = TensorBoard(logdir, load_fast)
@@ -240,8 +245,12 @@ def measure_server(logdir: str, run: str, steps: int, load_fast: bool, requests:
         incident = time_route(tb, "incident", {"run": run}, requests)
         # a zoomed-in window near the incident, as the frontend asks after a zoom
         end = steps
-        zoom = time_route(tb, "timeline", {"run": run, "start": max(0, end - 2000),
-                                           "end": end, "max_points": 4000}, requests)
+        zoom = time_route(
+            tb,
+            "timeline",
+            {"run": run, "start": max(0, end - 2000), "end": end, "max_points": 4000},
+            requests,
+        )
         for name, r in (("timeline", timeline), ("incident", incident), ("zoom", zoom)):
             out[f"{name}_first_ms"] = r["first_ms"]
             out[f"{name}_median_ms"] = r["median_ms"]
@@ -316,7 +325,7 @@ def browser(tb: TensorBoard, steps: int) -> dict:
             )
             out["initial_view"] = info()
             zooms = []
-            for i in range(4):  # zoom in 4 times on the end of the run (the incident)
+            for _ in range(4):  # zoom in 4 times on the end of the run (the incident)
                 box = frame.locator("#timeline .u-over").bounding_box()
                 y = box["y"] + box["height"] / 2
                 x0, x1 = box["x"] + box["width"] * 0.80, box["x"] + box["width"] * 0.995
@@ -333,23 +342,27 @@ def browser(tb: TensorBoard, steps: int) -> dict:
                     now = info()
                     if now["start"] != before["start"] and t_drawn is None:
                         t_drawn = time.perf_counter() - t0
-                    if now["state"] == "ready" and now["start"] != before["start"] and (
-                        now["bucket"] < before["bucket"] or now["bucket"] == 1
+                    if (
+                        now["state"] == "ready"
+                        and now["start"] != before["start"]
+                        and (now["bucket"] < before["bucket"] or now["bucket"] == 1)
                     ):
                         break
                     time.sleep(0.01)
                 settled = time.perf_counter() - t0
                 page.wait_for_timeout(300)
                 now = info()
-                zooms.append({
-                    "view": f"{now['start']}-{now['end']}",
-                    "bucket": now["bucket"],
-                    "visible_change_ms": round(1e3 * (t_drawn or settled)),
-                    "refined_data_ms": round(1e3 * settled),
-                })
+                zooms.append(
+                    {
+                        "view": f"{now['start']}-{now['end']}",
+                        "bucket": now["bucket"],
+                        "visible_change_ms": round(1e3 * (t_drawn or settled)),
+                        "refined_data_ms": round(1e3 * settled),
+                    }
+                )
             out["zooms"] = zooms
             pans = []
-            for i in range(4):
+            for _ in range(4):
                 before = info()
                 t0 = time.perf_counter()
                 frame.locator("#timeline [data-action=pan-left]").click()
@@ -376,7 +389,9 @@ def browser(tb: TensorBoard, steps: int) -> dict:
         except Exception as error:  # noqa: BLE001
             out["error"] = f"{type(error).__name__}: {str(error)[:300]}"
             try:
-                page.screenshot(path=os.path.join(tempfile.gettempdir(), "nwbench-browser-error.png"))
+                page.screenshot(
+                    path=os.path.join(tempfile.gettempdir(), "nwbench-browser-error.png")
+                )
             except Exception:  # noqa: BLE001
                 pass
         browser_.close()
@@ -391,8 +406,9 @@ def main() -> None:
     parser.add_argument("--logdir", default=None, help="reuse/keep this log dir")
     parser.add_argument("--json", default=None)
     parser.add_argument("--no-browser", action="store_true")
-    parser.add_argument("--no-baseline", action="store_true",
-                        help="skip TensorBoard's RSS on an empty log dir")
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip TensorBoard's RSS on an empty log dir"
+    )
     args = parser.parse_args()
     logdir = args.logdir or tempfile.mkdtemp(prefix="nwbench-plugin-")
     run = f"synthetic_{args.steps}x{args.layers}"
@@ -407,8 +423,7 @@ def main() -> None:
         log(f"generated in {result['generate_s']:.1f} s, {result['event_bytes'] / 2**20:.1f} MiB")
     recorded = incident_step + 1  # training stops at the incident
     servers = []
-    slow, tb = measure_server(logdir, run, recorded, False, args.requests,
-                              keep=not args.no_browser)
+    slow, tb = measure_server(logdir, run, recorded, False, args.requests, keep=not args.no_browser)
     servers.append(slow)
     if tb is not None:
         log("browser")

@@ -77,8 +77,16 @@ def log(msg: str) -> None:
 
 
 class Worker:
-    def __init__(self, model: str, tool: str, steps: int, rounds: int, warmup: int,
-                 logdir: str, extra: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        tool: str,
+        steps: int,
+        rounds: int,
+        warmup: int,
+        logdir: str,
+        extra: list[str] | None = None,
+    ) -> None:
         self.model, self.tool = model, tool
         self.rounds: list[dict] = []
         self.done: dict | None = None
@@ -87,10 +95,27 @@ class Worker:
         self.stderr_path = os.path.join(logdir, f"{safe}-{tool}.stderr")
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
-            [sys.executable, WORKER, "--model", model, "--tool", tool, "--steps", str(steps),
-             "--rounds", str(rounds), "--warmup", str(warmup)] + (extra or []),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.stderr_path, "w"),
-            text=True, cwd=ROOT, env=env,
+            [
+                sys.executable,
+                WORKER,
+                "--model",
+                model,
+                "--tool",
+                tool,
+                "--steps",
+                str(steps),
+                "--rounds",
+                str(rounds),
+                "--warmup",
+                str(warmup),
+            ]
+            + (extra or []),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.stderr_path, "w"),
+            text=True,
+            cwd=ROOT,
+            env=env,
         )
 
     def read_event(self, wanted: tuple[str, ...]) -> dict | None:
@@ -132,8 +157,9 @@ class Worker:
         self.proc.wait()
 
 
-def run_group(model: str, tools: list[str], steps: int, rounds: int, warmup: int,
-              logdir: str) -> dict:
+def run_group(
+    model: str, tools: list[str], steps: int, rounds: int, warmup: int, logdir: str
+) -> dict:
     """Starts one worker per tool, interleaves ``rounds`` rounds, returns results."""
     log(f"{model}: starting {len(tools)} workers ({', '.join(tools)})")
     workers = [Worker(model, t, steps, rounds, warmup, logdir) for t in tools]
@@ -151,9 +177,14 @@ def run_group(model: str, tools: list[str], steps: int, rounds: int, warmup: int
                 w.rounds.append(event)
             elif w.error:
                 log(f"{model}/{w.tool}: failed in round {r + 1}: {w.error}")
-        log(f"{model}: round {r + 1}/{rounds}: " + ", ".join(
-            f"{w.tool}={w.rounds[-1]['median_ms']:.2f}ms" for w in workers if w.rounds
-            and len(w.rounds) == r + 1))
+        log(
+            f"{model}: round {r + 1}/{rounds}: "
+            + ", ".join(
+                f"{w.tool}={w.rounds[-1]['median_ms']:.2f}ms"
+                for w in workers
+                if w.rounds and len(w.rounds) == r + 1
+            )
+        )
     for w in workers:
         w.finish()
     return summarize(model, workers)
@@ -178,8 +209,16 @@ def summarize(model: str, workers: list[Worker]) -> dict:
             row["ratio"] = statistics.median(ratios)
             row["round_ratios"] = ratios
         done = w.done or {}
-        for key in ("event_bytes", "steps_recorded", "schema_size", "schema_entries",
-                    "rss_kib", "layers", "params", "batch"):
+        for key in (
+            "event_bytes",
+            "steps_recorded",
+            "schema_size",
+            "schema_entries",
+            "rss_kib",
+            "layers",
+            "params",
+            "batch",
+        ):
             if key in done:
                 row[key] = done[key]
         if done.get("event_bytes") and done.get("steps_recorded"):
@@ -304,15 +343,20 @@ def render(results: dict) -> str:
             "",
         ]
         for group in results["tools"]:
-            lines += [f"**{MODEL_LABELS.get(group['model'], group['model'])}** "
-                      f"({group.get('steps')} steps x {group.get('rounds')} rounds per tool)", "",
-                      "| tool | median ms/step | ratio vs plain (median of rounds) | "
-                      "best round ms/step | best-round ratio | per-round ratios |",
-                      "|---|---:|---:|---:|---:|---|"]
+            lines += [
+                f"**{MODEL_LABELS.get(group['model'], group['model'])}** "
+                f"({group.get('steps')} steps x {group.get('rounds')} rounds per tool)",
+                "",
+                "| tool | median ms/step | ratio vs plain (median of rounds) | "
+                "best round ms/step | best-round ratio | per-round ratios |",
+                "|---|---:|---:|---:|---:|---|",
+            ]
             for row in group["rows"]:
                 if row.get("error") and not row.get("median_ms"):
-                    lines.append(f"| {TOOL_LABELS.get(row['tool'], row['tool'])} | failed | "
-                                 f"| {row['error'][:160]} |")
+                    lines.append(
+                        f"| {TOOL_LABELS.get(row['tool'], row['tool'])} | failed | "
+                        f"| {row['error'][:160]} |"
+                    )
                     continue
                 ratios = " ".join(f"{r:.2f}" for r in row.get("round_ratios", []))
                 lines.append(
@@ -322,11 +366,14 @@ def render(results: dict) -> str:
                 )
             nw = next((r for r in group["rows"] if r["tool"] == "nanwatch"), None)
             if nw and nw.get("schema_entries"):
-                lines += ["", f"NanWatch watched {nw['schema_entries']} tensors "
-                          f"({nw['schema_size']} floats per step, one transfer); event file "
-                          f"{nw.get('event_bytes_per_step', 0):.1f} bytes/step over "
-                          f"{nw.get('steps_recorded')} steps (includes fixed costs: run "
-                          "summary, step-0 snapshot)."]
+                lines += [
+                    "",
+                    f"NanWatch watched {nw['schema_entries']} tensors "
+                    f"({nw['schema_size']} floats per step, one transfer); event file "
+                    f"{nw.get('event_bytes_per_step', 0):.1f} bytes/step over "
+                    f"{nw.get('steps_recorded')} steps (includes fixed costs: run "
+                    "summary, step-0 snapshot).",
+                ]
             lines.append("")
     if results.get("scaling"):
         lines += [
@@ -353,10 +400,13 @@ def render(results: dict) -> str:
             )
         lines.append("")
     if results.get("memory"):
-        lines += ["### Memory, transfers and disk over a long run (MLP 12x256, batch 64)", "",
-                  "| tool | steps | RSS growth bytes/step | gc objects growth/step | "
-                  "device-to-host reads/step | event-file bytes/step |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "### Memory, transfers and disk over a long run (MLP 12x256, batch 64)",
+            "",
+            "| tool | steps | RSS growth bytes/step | gc objects growth/step | "
+            "device-to-host reads/step | event-file bytes/step |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for row in results["memory"]:
             mc = row.get("memcheck") or {}
             eb = row.get("event_bytes")
@@ -367,8 +417,12 @@ def render(results: dict) -> str:
                 f"{fmt(mc.get('gc_objects_growth_per_step'), '.3f')} | "
                 f"{fmt(mc.get('transfers_per_step'), '.2f')} | {fmt(per, '.1f', '-')} |"
             )
-        lines += ["", "(device-to-host reads counted as `EagerTensor._numpy` calls; plain fit's "
-                  "own read is Keras' log conversion. NanWatch's own share is the difference.)", ""]
+        lines += [
+            "",
+            "(device-to-host reads counted as `EagerTensor._numpy` calls; plain fit's "
+            "own read is Keras' log conversion. NanWatch's own share is the difference.)",
+            "",
+        ]
     plugin = results.get("plugin")
     if plugin:
         lines += ["### Plugin at scale", ""]
@@ -438,17 +492,28 @@ def write_results_md(text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run, a few steps")
-    parser.add_argument("--only", default="tools,scaling,memory,plugin",
-                        help="comma-separated sections (tools, scaling, memory, plugin)")
+    parser.add_argument(
+        "--only",
+        default="tools,scaling,memory,plugin",
+        help="comma-separated sections (tools, scaling, memory, plugin)",
+    )
     parser.add_argument("--models", default="mlp,conv,lstm")
     parser.add_argument("--tools", default=",".join(ALL_TOOLS))
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
-    parser.add_argument("--compare-before", default=None, metavar="DIR",
-                        help="also time NanWatch from another copy of the package (DIR holds "
-                        "a tb_nanwatch/ directory), e.g. the tree before a performance change")
-    parser.add_argument("--render", default=None, metavar="RESULTS_JSON",
-                        help="only re-render RESULTS.md from a results JSON file")
+    parser.add_argument(
+        "--compare-before",
+        default=None,
+        metavar="DIR",
+        help="also time NanWatch from another copy of the package (DIR holds "
+        "a tb_nanwatch/ directory), e.g. the tree before a performance change",
+    )
+    parser.add_argument(
+        "--render",
+        default=None,
+        metavar="RESULTS_JSON",
+        help="only re-render RESULTS.md from a results JSON file",
+    )
     args = parser.parse_args()
     if args.render:
         with open(args.render) as f:
@@ -477,8 +542,9 @@ def main() -> None:
     tools = args.tools.split(",")
     if args.compare_before:
         os.environ["NWBENCH_BEFORE_PATH"] = os.path.abspath(args.compare_before)
-        tools.insert(tools.index("nanwatch") if "nanwatch" in tools else len(tools),
-                     "nanwatch+before")
+        tools.insert(
+            tools.index("nanwatch") if "nanwatch" in tools else len(tools), "nanwatch+before"
+        )
     if "tools" in sections:
         results["tools"] = []
         models = args.models.split(",")
@@ -508,8 +574,14 @@ def main() -> None:
     if "memory" in sections:
         results["memory"] = run_memory(200 if quick else 2000, logdir)
         for row in results["memory"]:
-            print(json.dumps({k: row.get(k) for k in ("tool", "memcheck", "event_bytes",
-                                                        "steps_recorded", "error")}))
+            print(
+                json.dumps(
+                    {
+                        k: row.get(k)
+                        for k in ("tool", "memcheck", "event_bytes", "steps_recorded", "error")
+                    }
+                )
+            )
     if "plugin" in sections:
         results["plugin"] = run_plugin(quick, logdir)
     results["load_end"] = loadavg()
@@ -534,8 +606,11 @@ def main() -> None:
 def print_group(group: dict) -> None:
     print(f"\n== {group['model']}")
     for row in group["rows"]:
-        print(f"  {row['tool']:22s} median {fmt(row.get('median_ms')):>9s} ms/step  "
-              f"ratio {fmt(row.get('ratio')):>6s}  {row.get('error') or ''}", flush=True)
+        print(
+            f"  {row['tool']:22s} median {fmt(row.get('median_ms')):>9s} ms/step  "
+            f"ratio {fmt(row.get('ratio')):>6s}  {row.get('error') or ''}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

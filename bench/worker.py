@@ -109,7 +109,9 @@ def build(spec: dict):
         inputs = keras.Input((32, 32, 3), name="image")
         h = inputs
         for i, filters in enumerate((32, 32, 64, 64, 128, 128)):
-            h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu", name=f"conv{i}")(h)
+            h = keras.layers.Conv2D(filters, 3, padding="same", activation="relu", name=f"conv{i}")(
+                h
+            )
             if i in (1, 3):
                 h = keras.layers.MaxPooling2D(name=f"pool{i}")(h)
         h = keras.layers.GlobalAveragePooling2D(name="gap")(h)
@@ -262,7 +264,9 @@ def apply_patches(patches: list[str]) -> None:
 
             zero = lambda: tf.constant(0.0)  # noqa: E731
             if patch == "notensorstats":
-                step_stats.tensor_fields = lambda ts: {k: zero() for k in ("nan", "inf", "min", "max")}
+                step_stats.tensor_fields = lambda ts: {
+                    k: zero() for k in ("nan", "inf", "min", "max")
+                }
             elif patch == "nogradstats":
                 step_stats.gradient_fields = lambda gs: {k: zero() for k in ("nan", "inf", "norm")}
             else:
@@ -308,17 +312,24 @@ def count_transfers():
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--tool", required=True,
-                        help=f"one of {TOOLS}, optionally +patch+patch (profiling experiments)")
+    parser.add_argument(
+        "--tool",
+        required=True,
+        help=f"one of {TOOLS}, optionally +patch+patch (profiling experiments)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-wait", action="store_true", help="do not wait for 'go' lines")
-    parser.add_argument("--memcheck", action="store_true",
-                        help="record RSS, gc object counts and transfers per step")
+    parser.add_argument(
+        "--memcheck",
+        action="store_true",
+        help="record RSS, gc object counts and transfers per step",
+    )
     parser.add_argument("--workdir", default=None)
-    parser.add_argument("--profile", default=None,
-                        help="write a cProfile of the timed steps to this file")
+    parser.add_argument(
+        "--profile", default=None, help="write a cProfile of the timed steps to this file"
+    )
     args = parser.parse_args()
 
     workdir = args.workdir or tempfile.mkdtemp(prefix=f"nwbench-{args.tool}-")

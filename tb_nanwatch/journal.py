@@ -91,9 +91,7 @@ class RunJournal:
         self._header = header.offset
         self._outputs = [e for e in schema.entries if e.phase == "loss" and e.layer is not None]
         self._logits = schema.find(kind="logits")
-        self.series_columns = list(SERIES_BASE_COLUMNS) + [
-            f"loss/{e.layer}" for e in self._outputs
-        ]
+        self.series_columns = list(SERIES_BASE_COLUMNS) + [f"loss/{e.layer}" for e in self._outputs]
         # Vector offsets read every step (precomputed: record() runs per step).
         self._output_index = np.array([e.offset + 2 for e in self._outputs], np.intp)
         self._logit_min_index = np.array([e.offset + 2 for e in self._logits], np.intp)
@@ -168,9 +166,7 @@ class RunJournal:
         self.steps = step + 1
 
         if self.snapshot_every and step % self.snapshot_every == 0:
-            self.writer.write_array(
-                metadata.layers_tag(step), metadata.KIND_LAYERS, step, vector
-            )
+            self.writer.write_array(metadata.layers_tag(step), metadata.KIND_LAYERS, step, vector)
 
         incident = None
         if self.first_nonfinite is None:
@@ -246,7 +242,10 @@ class RunJournal:
         h = self._header
         incident = {
             "step": int(step),
-            **(origin or {"phase": "backward", "layer": None, "tensor": "scaled gradients", "kind": "inf"}),
+            **(
+                origin
+                or {"phase": "backward", "layer": None, "tensor": "scaled gradients", "kind": "inf"}
+            ),
             "epoch": int(epoch),
             "batch": int(batch),
             "iterations": int(vector[h + 5]),

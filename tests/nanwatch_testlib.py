@@ -10,7 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 from tensorboard import context
@@ -198,3 +204,83 @@ def strict_json(text: str):
 
 
 PLUGIN = "/data/plugin/nanwatch"
+
+
+# -- a real TensorBoard process ---------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_get(url: str) -> tuple[int, dict, bytes]:
+    """(status, headers, body); HTTP errors are answers, not exceptions."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+@contextlib.contextmanager
+def tensorboard_process(
+    logdir, log_path, ready, *, extra_args=(), path_prefix: str = "", timeout: float = 120.0
+):
+    """Runs ``tensorboard`` on 127.0.0.1 until ``ready(base_url)`` is true; yields the base URL.
+
+    ``ready`` may raise OSError/ValueError/KeyError while the server warms up.
+    """
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "tensorboard.main",
+        f"--logdir={logdir}",
+        f"--port={port}",
+        "--host=127.0.0.1",
+        *extra_args,
+    ]
+    if path_prefix:
+        command.append(f"--path_prefix={path_prefix}")
+    base = f"http://127.0.0.1:{port}{path_prefix}"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(f"tensorboard exited: {Path(log_path).read_text()[-3000:]}")
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                if ready(base):
+                    break
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"tensorboard was not ready in {timeout} s: {Path(log_path).read_text()[-3000:]}"
+                )
+            time.sleep(0.5)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def canvas_ink(frame_or_page, selector: str) -> int:
+    """Number of non-white pixels of the first canvas matching ``selector``."""
+    return frame_or_page.locator(selector).first.evaluate(
+        """c => {
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let n = 0;
+            for (let i = 0; i < d.length; i += 4) {
+                if (d[i + 3] > 0 && (d[i] < 240 || d[i + 1] < 240 || d[i + 2] < 240)) n++;
+            }
+            return n;
+        }"""
+    )

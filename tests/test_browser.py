@@ -11,19 +11,13 @@ expected incident, else it is read from the runs' own summaries.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+import nanwatch_testlib as lib
 import pytest
-from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS, XSS_RUN
+from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS, XSS_RUN, canvas_ink
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 
@@ -85,70 +79,27 @@ def logs(tmp_path_factory) -> tuple[Path, dict]:
 # -- TensorBoard -----------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get_json(url: str):
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.loads(response.read().decode("utf-8"))
+    status, _, body = lib.http_get(url)
+    if status != 200:
+        raise ValueError(f"{url} answered {status}")
+    return json.loads(body)
 
 
-@contextlib.contextmanager
 def tensorboard(logdir: Path, tmp: Path, path_prefix: str = "", want_runs: int = 1):
     """Runs TensorBoard until the nanwatch `runs` route lists `want_runs` runs; yields its base URL."""
-    port = _free_port()
-    log_path = tmp / f"tensorboard-{port}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tensorboard.main",
-        "--logdir",
-        str(logdir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--load_fast=false",
-    ]
-    if path_prefix:
-        cmd += ["--path_prefix", path_prefix]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}{path_prefix}"
-    try:
-        deadline = time.monotonic() + 90
-        runs = None
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                break
-            try:
-                runs = _get_json(f"{base}/data/plugin/nanwatch/runs")["runs"]
-                if len(runs) >= want_runs:
-                    break
-            except (
-                urllib.error.URLError,
-                ConnectionError,
-                OSError,
-                ValueError,
-                KeyError,
-            ):
-                pass
-            time.sleep(0.5)
-        if proc.poll() is not None or not runs or len(runs) < want_runs:
-            pytest.fail(
-                f"TensorBoard did not serve {want_runs} nanwatch runs (got {runs}):\n{log_path.read_text(errors='replace')[-4000:]}"
-            )
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+
+    def ready(base: str) -> bool:
+        return len(_get_json(f"{base}/data/plugin/nanwatch/runs")["runs"]) >= want_runs
+
+    return lib.tensorboard_process(
+        logdir,
+        tmp / "tensorboard.log",
+        ready,
+        extra_args=("--load_fast=false",),
+        path_prefix=path_prefix,
+        timeout=90,
+    )
 
 
 # -- browser ---------------------------------------------------------------
@@ -204,20 +155,6 @@ def watched(browser):
     w.close()
 
 
-def _canvas_ink(frame, selector: str) -> int:
-    """Number of non-white pixels of the first canvas matching `selector` (in the iframe)."""
-    return frame.locator(selector).first.evaluate(
-        """c => {
-            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-            let n = 0;
-            for (let i = 0; i < d.length; i += 4) {
-                if (d[i + 3] > 0 && (d[i] < 240 || d[i + 1] < 240 || d[i + 2] < 240)) n++;
-            }
-            return n;
-        }"""
-    )
-
-
 # -- tests -----------------------------------------------------------------
 
 
@@ -266,7 +203,7 @@ def test_nanwatch_tab_shows_the_incident(browser, watched, logs, tmp_path):
         box = canvas.bounding_box()
         assert box and box["width"] > 100 and box["height"] > 100, box
         assert int(timeline.get_attribute("data-series-drawn") or 0) >= 2
-        assert _canvas_ink(frame, "#timeline canvas") > 1000
+        assert canvas_ink(frame, "#timeline canvas") > 1000
 
         # Heatmap: the origin is highlighted.
         heatmap = frame.locator("#heatmap")
@@ -276,7 +213,7 @@ def test_nanwatch_tab_shows_the_incident(browser, watched, logs, tmp_path):
             assert heatmap.get_attribute("data-origin-layer") == expect["layer"]
         origin = frame.locator("#heatmap .heatmap-origin[data-origin=true]")
         assert origin.is_visible()
-        assert _canvas_ink(frame, "#heatmap canvas") > 100
+        assert canvas_ink(frame, "#heatmap canvas") > 100
 
         # Clicking a heatmap column loads that step's per-layer table.
         table = frame.locator("#step-table")

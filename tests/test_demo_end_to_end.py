@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_browser import (  # noqa: F401 (fixtures below)
+from nanwatch_testlib import canvas_ink
+from test_browser import (
     Watched,
-    _canvas_ink,
-    browser,  # noqa: F401
+    _get_json,
+    browser,  # noqa: F401 (a fixture this module uses)
     tensorboard,
 )
 
@@ -73,8 +74,6 @@ def test_tensorboard_and_browser_show_the_demo_incident(browser, demo_logs, tmp_
     watched = Watched(browser)
     try:
         with tensorboard(demo_logs, tmp_path, want_runs=3) as base:
-            from test_browser import _get_json
-
             listing = _get_json(f"{base}/data/plugins_listing")
             assert listing["nanwatch"]["enabled"] is True
             frame = watched.open_tab(base)
@@ -91,7 +90,7 @@ def test_tensorboard_and_browser_show_the_demo_incident(browser, demo_logs, tmp_
             heatmap.locator("canvas").first.wait_for(timeout=30000)
             assert heatmap.get_attribute("data-origin-step") == "37"
             assert heatmap.get_attribute("data-origin-layer") == "base_model/per_image_std"
-            assert _canvas_ink(panel, ".timeline canvas") > 1000
+            assert canvas_ink(panel, ".timeline canvas") > 1000
             os.makedirs(ROOT / "test-artifacts", exist_ok=True)
             watched.page.screenshot(path=str(ROOT / "test-artifacts" / "demo.png"), full_page=True)
         assert watched.errors == []

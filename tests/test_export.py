@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
-from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS, XSS_RUN
+from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS, XSS_RUN, canvas_ink
 
 from tb_nanwatch import cli, export
 from tb_nanwatch.synthetic import write_synthetic_run
@@ -149,16 +149,3 @@ def test_exported_file_opens_offline_in_chromium(exported):
     assert not blocked, blocked
     assert not errors, errors
     assert not dialogs, dialogs
-
-
-def canvas_ink(page, selector: str) -> int:
-    return page.locator(selector).first.evaluate(
-        """c => {
-            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-            let n = 0;
-            for (let i = 0; i < d.length; i += 4) {
-                if (d[i + 3] > 0 && (d[i] < 240 || d[i + 1] < 240 || d[i + 2] < 240)) n++;
-            }
-            return n;
-        }"""
-    )

@@ -3,14 +3,7 @@ serves the routes, with the Python loader and with the Rust data server."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 
 import nanwatch_testlib as lib
 import pytest
@@ -26,89 +19,50 @@ def logdir(tmp_path_factory):
     return root
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _nanwatch_enabled(base: str) -> bool:
+    status, _, body = lib.http_get(f"{base}/data/plugins_listing")
+    return status == 200 and json.loads(body)["nanwatch"]["enabled"]
 
 
-def _get(url: str) -> tuple[int, dict, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
-
-
-@contextlib.contextmanager
 def tensorboard(logdir: str, load_fast: bool, log_path):
-    port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "tensorboard.main",
-        f"--logdir={logdir}",
-        f"--port={port}",
-        "--host=127.0.0.1",
-        f"--load_fast={'true' if load_fast else 'false'}",
-        "--reload_interval=1",
-    ]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE
-        )
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + STARTUP_TIMEOUT
-            while True:
-                if process.poll() is not None:
-                    pytest.fail(f"tensorboard exited: {log_path.read_text()[-3000:]}")
-                with contextlib.suppress(OSError):
-                    status, _, body = _get(f"{base}/data/plugins_listing")
-                    if status == 200 and json.loads(body)["nanwatch"]["enabled"]:
-                        break
-                if time.monotonic() > deadline:
-                    pytest.fail(f"nanwatch never enabled: {log_path.read_text()[-3000:]}")
-                time.sleep(0.5)
-            yield base
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    return lib.tensorboard_process(
+        logdir,
+        log_path,
+        _nanwatch_enabled,
+        extra_args=(f"--load_fast={'true' if load_fast else 'false'}", "--reload_interval=1"),
+        timeout=STARTUP_TIMEOUT,
+    )
 
 
 def _check_routes(base: str) -> None:
     plugin = f"{base}/data/plugin/nanwatch"
-    status, headers, body = _get(f"{plugin}/runs")
+    status, headers, body = lib.http_get(f"{plugin}/runs")
     assert status == 200
     runs = lib.strict_json(body.decode())["runs"]
     assert [r["run"] for r in runs] == sorted(["big", "healthy", XSS_RUN])
 
-    status, _, body = _get(f"{plugin}/timeline?run=big&max_points=200000")
+    status, _, body = lib.http_get(f"{plugin}/timeline?run=big&max_points=200000")
     timeline = lib.strict_json(body.decode())
     assert status == 200 and timeline["steps"] == list(range(BIG_INCIDENT + 1))
     assert timeline["columns"]["loss"][BIG_INCIDENT] == "NaN"
 
-    status, _, body = _get(f"{plugin}/incident?run=big")
+    status, _, body = lib.http_get(f"{plugin}/incident?run=big")
     assert status == 200
     assert lib.strict_json(body.decode())["incident"]["step"] == BIG_INCIDENT
 
-    status, _, body = _get(f"{plugin}/step?run=big&step={BIG_INCIDENT}")
+    status, _, body = lib.http_get(f"{plugin}/step?run=big&step={BIG_INCIDENT}")
     assert status == 200 and lib.strict_json(body.decode())["source"] == "flight"
-    assert _get(f"{plugin}/step?run=big&step=x")[0] == 400
-    assert _get(f"{plugin}/step?run=nope&step=1")[0] == 404
+    assert lib.http_get(f"{plugin}/step?run=big&step=x")[0] == 400
+    assert lib.http_get(f"{plugin}/step?run=nope&step=1")[0] == 404
 
-    status, headers, _ = _get(f"{plugin}/index.js")
+    status, headers, _ = lib.http_get(f"{plugin}/index.js")
     assert status in (200, 404)
     if status == 200:
         assert headers["Content-Type"].startswith("text/javascript")
-    status, _, body = _get(f"{plugin}/%2e%2e/plugin.py")
+    status, _, body = lib.http_get(f"{plugin}/%2e%2e/plugin.py")
     assert 400 <= status < 500 and b"NanWatchPlugin" not in body
 
-    status, _, body = _get(f"{base}/data/plugin_entry.html?name=nanwatch")
+    status, _, body = lib.http_get(f"{base}/data/plugin_entry.html?name=nanwatch")
     assert status == 200 and b'import("./index.js")' in body
 
 
