@@ -18,9 +18,16 @@ from tb_nanwatch import diagnosis
 from tb_nanwatch.reader import Flight, Series
 from tb_nanwatch.schema import Schema
 
-# (a) logits rising: at least this many consecutive increases, growing this much.
+# (a) logits rising: at least this many consecutive increases, growing this much;
+# or, for noisy series, a steady trend: over the last TREND_STEPS finite steps
+# (at least TREND_MIN_STEPS), the medians of TREND_SEGMENTS equal segments
+# strictly increase and the last is TREND_GROWTH x the first.
 MIN_RISING_STEPS = 5
 MIN_RISING_GROWTH = 1.5
+TREND_STEPS = 200
+TREND_MIN_STEPS = 50
+TREND_SEGMENTS = 5
+TREND_GROWTH = 2.0
 # (b) gradient-norm spike: peak in the last steps vs the median before them.
 SPIKE_WINDOW = 10
 SPIKE_RATIO = 1000.0
@@ -109,21 +116,56 @@ def logits_rising(rec: Record) -> dict | None:
         first -= 1
     rises = end - first
     low, high = float(values[first]), float(values[end])
-    if rises < MIN_RISING_STEPS or not high >= MIN_RISING_GROWTH * low:
+    if rises >= MIN_RISING_STEPS and high >= MIN_RISING_GROWTH * low:
+        return _hint(
+            "logits_rising",
+            "Logits grew until the loss broke",
+            f"The largest |logit| rose for {rises} consecutive steps, from {_fmt(low)} "
+            f"(step {int(steps[first])}) to {_fmt(high)} (step {int(steps[end])}), before "
+            f"the loss became {rec.incident.get('kind', 'non-finite')} at step {rec.step}. "
+            + _OVERCONFIDENT,
+            steps=rises,
+            first=low,
+            last=high,
+            first_step=int(steps[first]),
+            last_step=int(steps[end]),
+        )
+    return _logits_trend(rec, values, steps, end)
+
+
+_OVERCONFIDENT = (
+    "The model is becoming over-confident: lower the learning rate, add label "
+    "smoothing or regularization, and compute the loss from logits."
+)
+
+
+def _logits_trend(rec: Record, values: np.ndarray, steps: np.ndarray, end: int) -> dict | None:
+    """The noisy form of (a): segment medians of |logits| climbing steadily."""
+    start = max(0, end + 1 - TREND_STEPS)
+    window = values[start : end + 1]
+    window_steps = steps[start : end + 1]
+    finite = np.isfinite(window)
+    window, window_steps = window[finite], window_steps[finite]
+    if len(window) < TREND_MIN_STEPS:
         return None
+    medians = [float(np.median(part)) for part in np.array_split(window, TREND_SEGMENTS)]
+    increasing = all(a < b for a, b in zip(medians, medians[1:], strict=False))
+    if not increasing or not medians[-1] >= TREND_GROWTH * medians[0]:
+        return None
+    first_step, last_step = int(window_steps[0]), int(window_steps[-1])
     return _hint(
         "logits_rising",
         "Logits grew until the loss broke",
-        f"The largest |logit| rose for {rises} consecutive steps, from {_fmt(low)} "
-        f"(step {int(steps[first])}) to {_fmt(high)} (step {int(steps[end])}), before "
-        f"the loss became {rec.incident.get('kind', 'non-finite')} at step {rec.step}. "
-        "The model is becoming over-confident: lower the learning rate, add label "
-        "smoothing or regularization, and compute the loss from logits.",
-        steps=rises,
-        first=low,
-        last=high,
-        first_step=int(steps[first]),
-        last_step=int(steps[end]),
+        f"The largest |logit| climbed steadily over the {len(window)} steps before the "
+        f"incident: its median over {TREND_SEGMENTS} successive stretches went "
+        + " -> ".join(_fmt(m) for m in medians)
+        + f" (steps {first_step}-{last_step}), before the loss became "
+        f"{rec.incident.get('kind', 'non-finite')} at step {rec.step}. " + _OVERCONFIDENT,
+        steps=len(window),
+        first=medians[0],
+        last=medians[-1],
+        first_step=first_step,
+        last_step=last_step,
     )
 
 

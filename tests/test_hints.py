@@ -359,3 +359,25 @@ def test_explosion_does_not_fire_without_support(case):
 
 def test_healthy_record_has_no_hints():
     assert ids(hints.Record(SCHEMA, None, series=series(100), flight=None)) == []
+
+
+def test_logits_rising_fires_on_a_noisy_steady_climb():
+    # Like seed 001: |logits| climb from ~1 to ~60 over 250 steps with +-4 noise.
+    n = 251
+    climb = np.linspace(1.0, 60.0, n) + np.random.default_rng(1).uniform(-4, 4, n)
+    rec = hints.Record(
+        SCHEMA, incident(n - 1, "loss", kind="inf"), series=series(n, logit_max=climb)
+    )
+    hint = only(rec, "logits_rising")
+    assert hint["evidence"]["steps"] == 200
+    assert hint["evidence"]["last"] > 2 * hint["evidence"]["first"]
+    assert "climbed steadily" in hint["text"]
+
+
+def test_logits_trend_needs_a_climb_not_noise():
+    n = 251
+    noise = 20.0 + np.random.default_rng(2).uniform(-10, 10, n)
+    rec = hints.Record(
+        SCHEMA, incident(n - 1, "loss", kind="inf"), series=series(n, logit_max=noise)
+    )
+    assert "logits_rising" not in ids(rec)
