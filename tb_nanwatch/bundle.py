@@ -106,7 +106,10 @@ class ReproBundle:
     def restore(self, model) -> None:
         """Assigns the saved weights to ``model``'s variables of the same path."""
         if not self.weights:
-            raise ValueError("this bundle holds no weights (recorded with pre_step_weights='off')")
+            raise ValueError(
+                "this bundle holds no weights (recorded with pre_step_weights='off', or "
+                "'on_suspect' for an update-phase incident)"
+            )
         by_path = {v.path: v for v in model.trainable_weights}
         missing = [p for p in self.weights if p not in by_path]
         if missing:

@@ -354,8 +354,7 @@ class StepRecorder:
         if self.pre_step_weights == "every_step":
             tf.cond(capturing, copy, lambda: tf.constant(False))
         else:
-            counts = list(builder._partials["sum"])
-            suspect = tf.add_n(counts) > 0 if counts else tf.constant(False)
+            suspect = builder.suspect()
             tf.cond(tf.logical_and(suspect, capturing), copy, lambda: tf.constant(False))
 
     def after_update(self, builder: step_stats.StatsBuilder, weights: list, model) -> None:

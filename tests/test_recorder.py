@@ -217,3 +217,23 @@ def test_every_step_is_recorded_across_epochs(tmp_path):
     layers = summary["layers"]
     assert layers == ["dense_0", "dense_1", "dense_2", "head"]
     tf.debugging.assert_equal(len(watch.journal.series_columns) > 10, True)
+
+
+def test_on_suspect_copies_weights_only_for_suspect_steps(tmp_path):
+    # Backward origin: input..backward is non-finite, so the pre-step copy is taken.
+    _, watch, truth, _ = fit(
+        scenarios.backward_sqrt_zero, tmp_path / "backward", pre_step_weights="on_suspect"
+    )
+    bundle = tb_nanwatch.load_bundle(str(tmp_path / "backward"))
+    assert bundle.step == truth["step"] and bundle.info["exact"]
+    assert bundle.info["weights_before_step"] == truth["step"]
+    assert bundle.weights and all(np.isfinite(w).all() for w in bundle.weights.values())
+    # Update origin: nothing looked suspect before the update, so no weights are claimed.
+    _, watch, truth, _ = fit(
+        scenarios.update_adam_eps0, tmp_path / "update", pre_step_weights="on_suspect"
+    )
+    bundle = tb_nanwatch.load_bundle(str(tmp_path / "update"))
+    assert bundle.step == truth["step"]
+    assert bundle.weights == {} and bundle.info["weights_before_step"] is None
+    with pytest.raises(ValueError, match="no weights"):
+        bundle.restore(scenarios.update_adam_eps0()[0])
