@@ -42,16 +42,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "worker.py")
+sys.path.insert(0, HERE)
+import worker  # noqa: E402 (bench/ is not a package; its sibling module)
 
-ALL_TOOLS = [
-    "plain",
-    "terminate_on_nan",
-    "nanwatch",
-    "nanwatch_on_suspect",
-    "check_numerics",
-    "dbg_curt_health",
-    "dbg_full_health",
-]
+ALL_TOOLS = list(worker.TOOLS)  # the worker defines what each tool means
 TOOL_LABELS = {
     "plain": "plain fit",
     "terminate_on_nan": "TerminateOnNaN",
