@@ -75,10 +75,6 @@ def _diagnosed_index(schema: Schema) -> tuple[list, np.ndarray, np.ndarray]:
     return index
 
 
-def step_is_finite(schema: Schema, vector: np.ndarray) -> bool:
-    return find_origin(schema, vector) is None
-
-
 class ExplosionDetector:
     """Flags the onset of a blow-up that never produces a NaN or Inf.
 

@@ -253,10 +253,7 @@ class StepRecorder:
             )
         if y is not None:
             for name, t in _names(y, "target/"):
-                if name == "target" or name.startswith("target"):
-                    builder.add(
-                        "input", "input", name, f"target {name}", step_stats.tensor_fields([t])
-                    )
+                builder.add("input", "input", name, f"target {name}", step_stats.tensor_fields([t]))
         for call in trace.calls:
             builder.add(
                 "forward",
