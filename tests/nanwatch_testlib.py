@@ -27,6 +27,7 @@ from werkzeug import test as werkzeug_test
 from tb_nanwatch import metadata
 from tb_nanwatch.journal import RunJournal
 from tb_nanwatch.plugin import NanWatchPlugin
+from tb_nanwatch.schema import Schema
 from tb_nanwatch.synthetic import build_schema, write_synthetic_run
 
 BIG_STEPS = 5000
@@ -284,3 +285,32 @@ def canvas_ink(frame_or_page, selector: str) -> int:
             return n;
         }"""
     )
+
+
+def write_named_run(
+    run_dir: str,
+    layers: list[str],
+    *,
+    bad_layer: int,
+    bad_step: int,
+    steps: int,
+    model: str,
+    tensor_suffix: str = "",
+) -> None:
+    """A tiny run through the real journal whose layer names are given.
+
+    Layer ``layers[bad_layer]`` has a NaN at ``bad_step``; the run then stops.
+    For tests of names that must stay text (markup, path tricks, unicode).
+    """
+    schema = Schema()
+    schema.add("header", "header", None, "step header")
+    for name in layers:
+        schema.add("forward", "activation", name, f"output of {name}{tensor_suffix}")
+    schema.add("loss", "loss", None, "total loss")
+    journal = RunJournal(run_dir, schema, {"model": model})
+    for step in range(steps):
+        vector = np.zeros(schema.size, np.float32)
+        if step == bad_step:
+            vector[schema.find(kind="activation")[bad_layer].offset] = 1.0
+        journal.record(step, 0, step, vector)
+    journal.close("stopped")

@@ -12,15 +12,12 @@ import json
 import os
 from urllib.parse import quote, urlencode
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nanwatch_testlib import PLUGIN, make_client, multiplexer_provider
+from nanwatch_testlib import PLUGIN, make_client, multiplexer_provider, write_named_run
 
 from tb_nanwatch import plugin
-from tb_nanwatch.journal import RunJournal
-from tb_nanwatch.schema import Schema
 from tb_nanwatch.synthetic import write_synthetic_run
 
 HOSTILE_RUN = "<script>alert('run')</script>"
@@ -39,26 +36,19 @@ SETTINGS = settings(
 )
 
 
-def _hostile_run(run_dir: str) -> None:
-    schema = Schema()
-    schema.add("header", "header", None, "step header")
-    schema.add("forward", "activation", HOSTILE_LAYER, f"output of {HOSTILE_LAYER}")
-    schema.add("loss", "loss", None, "total loss")
-    journal = RunJournal(run_dir, schema, {"model": "<b>model</b>"})
-    for step in range(6):
-        vector = np.zeros(schema.size, np.float32)
-        if step == 4:
-            vector[schema.find(kind="activation")[0].offset] = 1.0
-        journal.record(step, 0, step, vector)
-    journal.close("stopped")
-
-
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     logdir = str(tmp_path_factory.mktemp("fuzz") / "logs")
     write_synthetic_run(os.path.join(logdir, "plain"), 300, incident_step=250, snapshot_every=100)
     write_synthetic_run(os.path.join(logdir, "nested", "healthy \u00e9\u6f22"), 50, num_layers=2)
-    _hostile_run(os.path.join(logdir, HOSTILE_RUN))
+    write_named_run(
+        os.path.join(logdir, HOSTILE_RUN),
+        [HOSTILE_LAYER],
+        bad_layer=0,
+        bad_step=4,
+        steps=6,
+        model="<b>model</b>",
+    )
     return make_client(multiplexer_provider(logdir), logdir)
 
 

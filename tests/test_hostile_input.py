@@ -28,6 +28,7 @@ from nanwatch_testlib import (
     make_client,
     multiplexer_provider,
     strict_json,
+    write_named_run,
 )
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.record_writer import masked_crc32c
@@ -36,7 +37,6 @@ from tb_nanwatch import cli, metadata
 from tb_nanwatch.event_writer import RunWriter
 from tb_nanwatch.journal import RunJournal
 from tb_nanwatch.report import load_provider
-from tb_nanwatch.schema import Schema
 from tb_nanwatch.synthetic import build_schema, write_synthetic_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -322,19 +322,16 @@ def _text_tensor(text: str):
 def test_hostile_names_of_runs_layers_and_tensors(tmp_path):
     logdir = str(tmp_path / "logs")
     hostile = ["<script>alert(1)</script>", "a\u2028b\u0000c", "../../etc/passwd", "\"'`${x}"]
-    schema = Schema()
-    schema.add("header", "header", None, "step header")
-    for name in hostile:
-        schema.add("forward", "activation", name, f"output of {name}</script>")
-    schema.add("loss", "loss", None, "total loss")
     run_name = "run <img src=x onerror=alert(1)> \u00e9\u6f22"
-    journal = RunJournal(os.path.join(logdir, run_name), schema, {"model": "<b>m</b>"})
-    for step in range(5):
-        vector = np.zeros(schema.size, np.float32)
-        if step == 3:
-            vector[schema.find(kind="activation")[2].offset] = 1.0
-        journal.record(step, 0, step, vector)
-    journal.close("stopped")
+    write_named_run(
+        os.path.join(logdir, run_name),
+        hostile,
+        bad_layer=2,
+        bad_step=3,
+        steps=5,
+        model="<b>m</b>",
+        tensor_suffix="</script>",
+    )
     runs = check_everything(logdir, extra_steps=(0, 3))
     incident = runs[run_name]["first_nonfinite"]
     assert incident["layer"] == "../../etc/passwd" and incident["step"] == 3
