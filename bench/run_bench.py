@@ -7,7 +7,7 @@
 Sections:
 
 * ``tools``: plain ``fit`` vs TerminateOnNaN, NanWatch (defaults, and with
-  ``pre_step_weights="on_suspect"``), ``enable_check_numerics``, Debugger V2
+  ``pre_step_weights="every_step"``), ``enable_check_numerics``, Debugger V2
   CURT_HEALTH and FULL_HEALTH on three models (MLP 12x256 batch 64, a 6-conv
   net on 32x32 images batch 128, LSTM + self-attention batch 64).
 * ``scaling``: NanWatch vs plain on MLPs of depth 10/50/200 (width 64, batch
@@ -50,7 +50,7 @@ TOOL_LABELS = {
     "plain": "plain fit",
     "terminate_on_nan": "TerminateOnNaN",
     "nanwatch": "**NanWatch (defaults)**",
-    "nanwatch_on_suspect": "NanWatch, pre_step_weights=on_suspect",
+    "nanwatch_every_step": "NanWatch, pre_step_weights=every_step",
     "nanwatch+before": "NanWatch before the performance fixes (--compare-before)",
     "check_numerics": "tf.debugging.enable_check_numerics",
     "dbg_curt_health": "Debugger V2 CURT_HEALTH",
@@ -374,13 +374,13 @@ def render(results: dict) -> str:
             "### How NanWatch's cost grows (ratio vs plain fit, defaults)",
             "",
             "| model | batch | watched tensors | plain ms/step | NanWatch ms/step | ratio (median) | "
-            "ratio (best round) | on_suspect ratio (median) | on_suspect ratio (best round) |",
+            "ratio (best round) | every_step ratio (median) | every_step ratio (best round) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for group in results["scaling"]:
             rows = {r["tool"]: r for r in group["rows"]}
             plain, nw = rows.get("plain", {}), rows.get("nanwatch", {})
-            sus = rows.get("nanwatch_on_suspect", {})
+            sus = rows.get("nanwatch_every_step", {})
             spec = group["model"]
             if spec.startswith("mlpdeep:"):
                 _, d, wdt, b = spec.split(":")
@@ -493,6 +493,9 @@ def main() -> None:
     )
     parser.add_argument("--models", default="mlp,conv,lstm")
     parser.add_argument("--tools", default=",".join(ALL_TOOLS))
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per round (all models)"
+    )
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     parser.add_argument(
@@ -533,6 +536,8 @@ def main() -> None:
     rounds = args.rounds or (2 if quick else 7)
     # timed steps per round: about 0.3-1 s of plain fit each on 2 cores
     steps = {"mlp": 10, "conv": 4, "lstm": 6} if quick else {"mlp": 40, "conv": 8, "lstm": 16}
+    if args.steps:
+        steps = dict.fromkeys(steps, args.steps)
     tools = args.tools.split(",")
     if args.compare_before:
         os.environ["NWBENCH_BEFORE_PATH"] = os.path.abspath(args.compare_before)
@@ -560,7 +565,7 @@ def main() -> None:
             depth, batch = int(spec.split(":")[1]), int(spec.split(":")[3])
             n = max(4, min(40, int(40 * 128 / max(batch, 1) * 12 / max(depth, 12))))
             n = 5 if quick else n
-            sc_tools = ["plain", "nanwatch"] + ([] if quick else ["nanwatch_on_suspect"])
+            sc_tools = ["plain", "nanwatch"] + ([] if quick else ["nanwatch_every_step"])
             group = run_group(spec, sc_tools, n, 2 if quick else 5, 5, logdir)
             group.update(steps=n, rounds=2 if quick else 5)
             results["scaling"].append(group)

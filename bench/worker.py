@@ -41,7 +41,7 @@ TOOLS = (
     "plain",
     "terminate_on_nan",
     "nanwatch",
-    "nanwatch_on_suspect",
+    "nanwatch_every_step",
     "check_numerics",
     "dbg_curt_health",
     "dbg_full_health",
@@ -223,11 +223,11 @@ def setup_tool(tool: str, workdir: str) -> tuple[list, dict]:
         return [], info
     if tool == "terminate_on_nan":
         return [keras.callbacks.TerminateOnNaN()], info
-    if tool in ("nanwatch", "nanwatch_on_suspect"):
+    if tool in ("nanwatch", "nanwatch_every_step"):
         from tb_nanwatch import NanWatch
 
         log_dir = os.path.join(workdir, "nanwatch")
-        kwargs = {} if tool == "nanwatch" else {"pre_step_weights": "on_suspect"}
+        kwargs = {} if tool == "nanwatch" else {"pre_step_weights": "every_step"}
         info["log_dir"] = log_dir
         return [NanWatch(log_dir, **kwargs)], info
     if tool == "check_numerics":
@@ -280,6 +280,22 @@ def apply_patches(patches: list[str]) -> None:
             from tb_nanwatch import journal
 
             journal.RunJournal.record = lambda self, *a, **k: None
+        elif patch == "asyncjournal":  # experiment: journal.record on a background thread
+            import queue
+            import threading
+
+            from tb_nanwatch import journal
+
+            record = journal.RunJournal.record
+            rows: queue.Queue = queue.Queue()
+
+            def drain():
+                while True:
+                    self_, args, kwargs = rows.get()
+                    record(self_, *args, **kwargs)
+
+            threading.Thread(target=drain, daemon=True).start()
+            journal.RunJournal.record = lambda self, *a, **k: rows.put((self, a, k))
         elif patch == "noweights":  # pre-step weight copy off
             from tb_nanwatch import callback
 

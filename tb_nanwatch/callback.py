@@ -106,10 +106,14 @@ class NanWatch(keras.callbacks.Callback):
             gradients); 0 turns the check off.
         snapshot_every: write a full per-layer snapshot every N steps (0: never).
         flush_secs: flush the on-disk record at least this often.
-        pre_step_weights: ``"every_step"`` keeps an on-device copy of the
-            weights before each step (exact bundles for every phase);
-            ``"on_suspect"`` copies only when input..backward is non-finite
-            (update-phase incidents then get no weights); ``"off"``.
+        pre_step_weights: which weights the reproduction bundle holds.
+            ``"on_suspect"`` (default) copies them on the device, before the
+            update, only in a step whose input..backward is non-finite: an
+            exact bundle for those phases at no per-step cost; an
+            update-phase incident gets the batch but no weights (replaying an
+            update would also need the optimizer's state, which the bundle
+            does not hold). ``"every_step"`` copies them before every step
+            (a copy of every trainable weight, each step); ``"off"``.
         explosion_factor: how far above its reference level a signal must
             climb to be an explosion (see ``diagnosis.ExplosionDetector``).
     """
@@ -122,7 +126,7 @@ class NanWatch(keras.callbacks.Callback):
         max_consecutive_skips: int = 20,
         snapshot_every: int = 1000,
         flush_secs: float = 10.0,
-        pre_step_weights: str = "every_step",
+        pre_step_weights: str = "on_suspect",
         explosion_factor: float = 1e3,
         min_loss_scale: float = 1.0,
     ) -> None:

@@ -94,7 +94,7 @@ class StepWatcher:
         min_loss_scale: float = 1.0,
         snapshot_every: int = 1000,
         flush_secs: float = 10.0,
-        pre_step_weights: str = "every_step",
+        pre_step_weights: str = "on_suspect",
         explosion_factor: float = 1e3,
     ) -> None:
         if not isinstance(model, keras.Model):

@@ -12,12 +12,14 @@ reproduction bundle can hold the exact state that produced the incident.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import gen_resource_variable_ops
 
 from tb_nanwatch import step_stats
 from tb_nanwatch.schema import Schema
@@ -27,6 +29,12 @@ from tb_nanwatch.taps import LayerTaps, StepTrace
 SEQ_MODULO = 1 << 23
 
 PRE_STEP_WEIGHTS = ("every_step", "on_suspect", "off")
+
+# Every op the statistics add to the step graph is created under this scope.
+STATS_SCOPE = "nanwatch_stats"
+# The op types that read a watched tensor directly (a reduction, or the cast
+# before one); each depends on that one tensor only.
+_READER_OPS = frozenset({"L2Loss", "Sum", "Min", "Max", "Cast"})
 
 
 def _names(
@@ -52,6 +60,15 @@ def variable_owners(model: keras.Model, taps: LayerTaps) -> dict[int, str]:
     return owners
 
 
+@dataclasses.dataclass
+class PendingStep:
+    """What :meth:`StepRecorder.before_update` hands to ``after_update``."""
+
+    builder: step_stats.StatsBuilder
+    batch: list[tf.Tensor]
+    gradients: list  # every gradient the statistics read (see _readers_first)
+
+
 class StepRecorder:
     """Instruments the train step of ``model`` and buffers its statistics."""
 
@@ -59,7 +76,7 @@ class StepRecorder:
         self,
         model: keras.Model,
         steps_per_execution: int = 1,
-        pre_step_weights: str = "every_step",
+        pre_step_weights: str = "on_suspect",
     ) -> None:
         if pre_step_weights not in PRE_STEP_WEIGHTS:
             raise ValueError(
@@ -169,18 +186,18 @@ class StepRecorder:
         # A failure in our own statistics must not change or break the step:
         # it is remembered (the callback warns and stops watching) and the
         # step goes on exactly as Keras' own would.
-        builder = None
+        pending = None
         try:
-            builder = self.before_update(
+            pending = self.before_update(
                 trace, x, y, y_pred, loss, weights, all_grads, model.optimizer, data, model
             )
         except Exception as error:  # noqa: BLE001
             self.trace_error = error
         if weights:
             model.optimizer.apply_gradients(zip(grads, weights, strict=False))
-        if builder is not None:
+        if pending is not None:
             try:
-                self.after_update(builder, weights, model)
+                self.after_update(pending, weights, model)
             except Exception as error:  # noqa: BLE001
                 self.trace_error = error
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -207,8 +224,17 @@ class StepRecorder:
         optimizer,
         data,
         model: keras.Model,
-    ) -> step_stats.StatsBuilder:
-        """Adds header, input, forward, loss and backward entries; stashes state."""
+    ) -> PendingStep:
+        """Adds header, input, forward, loss and backward entries; copies the
+        weights before the update (see ``pre_step_weights``)."""
+        with tf.name_scope(STATS_SCOPE):
+            return self._before_update(
+                trace, x, y, y_pred, loss, weights, all_grads, optimizer, data, model
+            )
+
+    def _before_update(
+        self, trace, x, y, y_pred, loss, weights, all_grads, optimizer, data, model
+    ) -> PendingStep:
         grads = list(all_grads[: len(weights)])
         watched = list(all_grads[len(weights) :])
         if self.unwatched_layers is None:
@@ -223,12 +249,7 @@ class StepRecorder:
             scale = tf.constant(1.0)
         grad_fields = [step_stats.gradient_fields([g]) for g in grads]
         grad_sumsq = tf.add_n([f["norm"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
-        grad_bad = (
-            tf.add_n([f["nan"] + f["inf"] for f in grad_fields])
-            if grad_fields
-            else tf.constant(0.0)
-        )
-        skipped = tf.cast(grad_bad > 0, tf.float32) if is_lso else tf.constant(0.0)
+        skipped = _skipped_by_loss_scaler(grad_fields, grad_sumsq) if is_lso else tf.constant(0.0)
         lr = optimizer.learning_rate if optimizer is not None else 0.0
         iterations = optimizer.iterations if optimizer is not None else 0
         builder.add(
@@ -307,40 +328,34 @@ class StepRecorder:
             if "#" not in call.path:
                 for v, fields in grads_by_owner.pop(call.path, []):
                     builder.add("backward", "grad_var", call.path, f"gradient of {v.path}", fields)
-            builder.add(
-                "backward",
-                "grad_in",
-                call.path,
-                f"gradient w.r.t. input of {call.path}",
-                step_stats.gradient_fields(in_grads),
-            )
+            if in_grads:  # none when the input is not computed from any weight
+                builder.add(
+                    "backward",
+                    "grad_in",
+                    call.path,
+                    f"gradient w.r.t. input of {call.path}",
+                    step_stats.gradient_fields(in_grads),
+                )
         for owner, items in grads_by_owner.items():
             for v, fields in items:
                 builder.add("backward", "grad_var", owner, f"gradient of {v.path}", fields)
 
-        self._stash(builder, data, weights)
-        return builder
-
-    def _stash(self, builder: step_stats.StatsBuilder, data, weights: list) -> None:
         flat_batch = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
         self._batch_structure = tf.nest.map_structure(lambda t: None if t is None else 0, data)
         # The buffer's width is known only now; create it before any use.
         self._ensure_buffers(_schema_size_after_update(builder, weights), flat_batch, weights)
-        # The stash is frozen at the first step that the journal will call an
-        # incident (see after_update), so with steps_per_execution > 1 the
-        # later steps of the same execution do not overwrite it.
-        this_step = self._counter.read_value() + 1
-        capturing = tf.logical_not(self._frozen.read_value())
+        self._copy_weights(builder, weights)
+        return PendingStep(builder, flat_batch, [g for g in all_grads if g is not None])
 
-        def keep_batch():
-            for var, t in zip(self._batch_vars, flat_batch, strict=False):
-                _stash(var, t)
-            self._stash_count.assign(this_step)
-            return tf.constant(True)
-
-        tf.cond(capturing, keep_batch, lambda: tf.constant(False))
+    def _copy_weights(self, builder: step_stats.StatsBuilder, weights: list) -> None:
+        """Copies the weights before the update: every step, or on_suspect."""
         if self._shadows is None:
             return
+        # The copies are frozen at the first step that the journal will call
+        # an incident (see after_update), so with steps_per_execution > 1 the
+        # later steps of the same execution do not overwrite them.
+        this_step = self._counter.read_value() + 1
+        capturing = tf.logical_not(self._frozen.read_value())
 
         def copy():
             for shadow, v in zip(self._shadows, weights, strict=False):
@@ -354,8 +369,18 @@ class StepRecorder:
             suspect = builder.suspect()
             tf.cond(tf.logical_and(suspect, capturing), copy, lambda: tf.constant(False))
 
-    def after_update(self, builder: step_stats.StatsBuilder, weights: list, model) -> None:
-        """Adds the update entries and writes the step's row into the buffer."""
+    def after_update(self, pending: PendingStep, weights: list, model) -> None:
+        """Adds the update entries and writes the step's row into the buffer.
+
+        The batch is kept only for a step that went non-finite (it is still
+        at hand after the update), so a healthy step copies nothing.
+        """
+        with tf.name_scope(STATS_SCOPE):
+            self._after_update(pending, weights, model)
+        _readers_first(pending.gradients)
+
+    def _after_update(self, pending: PendingStep, weights: list, model) -> None:
+        builder = pending.builder
         owners = variable_owners(model, self.taps)
         for v in weights:
             value = tf.convert_to_tensor(v)
@@ -376,8 +401,17 @@ class StepRecorder:
         bad = tf.reduce_sum(tf.gather(vector, tf.constant(counts, tf.int32))) > 0
         skipped = vector[schema.header().offset + 4] > 0
         incident = tf.logical_and(bad, tf.logical_not(skipped))
-        self._frozen.assign(tf.logical_or(self._frozen.read_value(), incident))
         count = self._counter.assign_add(1)
+        capturing = tf.logical_not(self._frozen.read_value())
+
+        def keep_batch():
+            for var, t in zip(self._batch_vars, pending.batch, strict=False):
+                _stash(var, t)
+            self._stash_count.assign(count)
+            return tf.constant(True)
+
+        tf.cond(tf.logical_and(bad, capturing), keep_batch, lambda: tf.constant(False))
+        self._frozen.assign(tf.logical_or(tf.logical_not(capturing), incident))
         slot = tf.cast((count - 1) % self.capacity, tf.int32)
         seq = tf.cast(count % SEQ_MODULO, tf.float32)
         first_bad = tf.reshape(builder.replica_first_bad, [-1])
@@ -402,7 +436,7 @@ class StepRecorder:
         """
         if self._buffer is None:
             return []
-        rows = _first_local(self._buffer).numpy()
+        rows = _read(_first_local(self._buffer))
         seqs = rows[:, 0].astype(np.int64)
         ahead = (seqs - self._last_seq) % SEQ_MODULO
         fresh = [(a, i) for i, a in enumerate(ahead) if 0 < a <= self.capacity]
@@ -499,6 +533,12 @@ def _first_local(var):
     return _locals(var)[0]
 
 
+def _read(var) -> np.ndarray:
+    """The variable's value on the host: one raw read op (``var.numpy()``
+    costs several times more Python around the same transfer)."""
+    return gen_resource_variable_ops.read_variable_op(var.handle, var.dtype)._numpy()
+
+
 # The batch of the current step is kept in a fixed-shape variable (XLA cannot
 # assign a new shape to a variable): rows beyond the first traced batch size
 # are not kept; a smaller batch is padded and its length kept in row 0 of a
@@ -544,6 +584,54 @@ def _unstash(slot) -> np.ndarray | None:
             return value
         shards.append(value[: int(n.numpy())])
     return shards[0] if len(shards) == 1 else np.concatenate(shards, 0)
+
+
+def _is_ours(op) -> bool:
+    return f"{STATS_SCOPE}/" in op.name or op.name.startswith(STATS_SCOPE)
+
+
+def _readers_first(tensors: list) -> None:
+    """Makes the step's own consumers of each tensor wait for our readers.
+
+    TensorFlow lets an elementwise op write its result into its input's
+    buffer when it is that buffer's last user (``ReluGrad`` into the incoming
+    gradient, the optimizer's ``Sub``/``Mul`` into a weight's gradient). A
+    statistic reading the same gradient afterwards takes that away, and every
+    such op then allocates a fresh buffer: on a CPU that cost more than the
+    statistics themselves. Running our reader first (a few microseconds; it
+    depends on that tensor only, so no cycle can form) gives the buffer back
+    to the step's op. Values are unchanged; only the order is.
+    """
+    seen = set()
+    for t in tensors:
+        if isinstance(t, tf.IndexedSlices):
+            t = t.values
+        if not hasattr(t, "consumers") or id(t) in seen:
+            continue
+        seen.add(id(t))
+        consumers = t.consumers()
+        readers = [op for op in consumers if _is_ours(op) and op.type in _READER_OPS]
+        if not readers:
+            continue
+        for op in consumers:
+            if not _is_ours(op):
+                for reader in readers:
+                    op._add_control_input(reader)
+
+
+def _skipped_by_loss_scaler(grad_fields: list[dict], grad_sumsq: tf.Tensor) -> tf.Tensor:
+    """1.0 when a gradient holds a NaN/Inf (the loss scaler skips the step).
+
+    The exact test runs only when the sum of squares, which any NaN/Inf
+    makes non-finite, is not finite."""
+    if not grad_fields:
+        return tf.constant(0.0)
+
+    def exact() -> tf.Tensor:
+        bad = tf.add_n([step_stats.exact_bad_count(f) for f in grad_fields])
+        return tf.cast(bad > 0, tf.float32)
+
+    return tf.cond(tf.math.is_finite(grad_sumsq), lambda: tf.constant(0.0), exact)
 
 
 def _loss_fields(value) -> dict:

@@ -7,22 +7,31 @@ reduced across replicas before they are packed, so the vector means the same
 with one replica or eight: counts summed, min of mins, max of maxes, norms from
 summed squares.
 
-Cost: exact NaN and Inf *counts* (``is_nan``/``is_inf``, a cast and a sum per
-tensor, twice) are what made the statistics expensive: about six small ops
-and two full passes per watched tensor, every step. They are now computed
-lazily. Each count remembers its source tensors and a *trigger*: one float32
-scalar that is non-finite whenever a source holds a NaN or an Inf (the sum of
-the tensor, or the sum of squares a gradient entry computes anyway: NaN and
-Inf propagate through sums, and a finite sum that overflows only makes the
-check conservative). :meth:`StatsBuilder.vector` checks all triggers at once
-and computes the exact counts, in one ``tf.cond`` branch, only when one of them
-is non-finite; otherwise every count is exactly 0 and the branch that runs is
-a constant. The vector is bit-for-bit what the eager counts would give.
+Cost: on a CPU every small op costs microseconds of executor time, so the
+statistics are built from as few ops as possible, each one full pass at most:
+
+* Exact NaN and Inf *counts* (``is_nan``/``is_inf``, a cast and a sum per
+  tensor, twice) are computed lazily. Each count remembers its source tensors
+  and a *trigger*: one float32 scalar that is non-finite whenever a source
+  holds a NaN or an Inf. :meth:`StatsBuilder.vector` checks all triggers at
+  once and computes the exact counts, in one ``tf.cond`` branch, only when one
+  of them is non-finite; otherwise every count is exactly 0. The vector is
+  bit-for-bit what the eager counts would give.
+* The trigger is a value the entry computes anyway where possible: ``min +
+  max`` of an activation (where this device's min/max propagate NaN, probed
+  once; not under XLA, whose min/max may drop a NaN), the sum of squares of a
+  gradient; otherwise the tensor's sum. NaN and Inf propagate through sums; a
+  finite sum that overflows only makes the check conservative.
+* Reductions run in the tensor's own dtype where that is exact (min, max), so
+  a float16 activation is not first copied to float32.
+* Gradients keep *half* sums of squares (``tf.nn.l2_loss``, one fused op);
+  the factor 2 and the square root are applied once, to the packed vector.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 from tb_nanwatch.schema import Schema
 
@@ -76,6 +85,41 @@ def _exact_count(kind: str, sources: tuple) -> tf.Tensor:
     return counts[0] if len(counts) == 1 else tf.add_n(counts)
 
 
+_MINMAX_PROPAGATES_NAN: bool | None = None
+
+
+def minmax_propagates_nan() -> bool:
+    """Whether ``reduce_min``/``reduce_max`` return NaN for a tensor holding
+    one, on this process's default device (probed once, eagerly)."""
+    global _MINMAX_PROPAGATES_NAN
+    if _MINMAX_PROPAGATES_NAN is None:
+        with tf.init_scope():
+            ok = True
+            for size in (7, 4099):
+                for where in (0, size // 2, size - 1):
+                    probe = tf.tensor_scatter_nd_update(
+                        tf.range(size, dtype=tf.float32), [[where]], [float("nan")]
+                    )
+                    low, high = tf.reduce_min(probe), tf.reduce_max(probe)
+                    ok = ok and bool(tf.math.is_nan(low)) and bool(tf.math.is_nan(high))
+            _MINMAX_PROPAGATES_NAN = ok
+    return _MINMAX_PROPAGATES_NAN
+
+
+def _in_xla() -> bool:
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def exact_bad_count(fields: dict) -> tf.Tensor:
+    """The exact NaN + Inf count of an entry's fields, built afresh here
+    (call it inside a ``tf.cond`` branch to pay for it only in that branch)."""
+    counts = []
+    for kind in ("nan", "inf"):
+        lazy = getattr(fields[kind], _LAZY_ATTR, None)
+        counts.append(_exact_count(kind, lazy[1]) if lazy is not None else fields[kind])
+    return counts[0] + counts[1]
+
+
 def _trigger(t: tf.Tensor) -> tf.Tensor:
     """A float32 scalar that is non-finite whenever ``t`` holds a NaN or Inf."""
     cached = getattr(t, _TRIGGER_ATTR, None)
@@ -111,46 +155,64 @@ def count_inf(t: tf.Tensor) -> tf.Tensor:
     return _tag(_exact_inf(t), "inf", [t], _trigger(t))
 
 
-_SUMSQ_ATTR = "_nanwatch_sum_squares"
+_HALF_SUMSQ_ATTR = "_nanwatch_half_sum_squares"
 
 
-def sum_squares(t) -> tf.Tensor:
-    """Sum of squares, float32: one fused ``L2Loss`` op (2 * sum(t**2) / 2),
-    half the ops and memory traffic of ``reduce_sum(t * t)``. Cached on the
-    tensor, so a tensor watched twice is reduced once."""
+def half_sum_squares(t) -> tf.Tensor:
+    """sum(t**2) / 2 as float32: one fused ``L2Loss`` op, cached on the tensor
+    so that a tensor watched twice is reduced once."""
     if isinstance(t, tf.IndexedSlices):
         t = t.values
-    cached = getattr(t, _SUMSQ_ATTR, None)
+    cached = getattr(t, _HALF_SUMSQ_ATTR, None)
     if cached is not None:
         return cached
-    value = 2.0 * tf.nn.l2_loss(_f32(t))
+    value = tf.nn.l2_loss(_f32(t))
     try:
-        setattr(t, _SUMSQ_ATTR, value)
+        setattr(t, _HALF_SUMSQ_ATTR, value)
     except AttributeError:
         pass
     return value
 
 
+def sum_squares(t) -> tf.Tensor:
+    """Sum of squares of ``t``, float32."""
+    return 2.0 * half_sum_squares(t)
+
+
+def _low_high(t: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    # min and max are exact in any dtype: reduce first, cast the scalars.
+    return _f32(tf.reduce_min(t)), _f32(tf.reduce_max(t))
+
+
 def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
     """nan/inf counts, min and max over a list of tensors (float32)."""
-    tensors = [_f32(t) if t.dtype.is_floating else tf.cast(t, tf.float32) for t in tensors]
-    triggers = [_trigger(t) for t in tensors]
-    trigger = triggers[0] if len(triggers) == 1 else tf.add_n(triggers)
     if len(tensors) == 1:
-        low, high = tf.reduce_min(tensors[0]), tf.reduce_max(tensors[0])
+        low, high = _low_high(tensors[0])
     else:
-        low = tf.reduce_min(tf.stack([tf.reduce_min(t) for t in tensors]))
-        high = tf.reduce_max(tf.stack([tf.reduce_max(t) for t in tensors]))
+        pairs = [_low_high(t) for t in tensors]
+        low = tf.reduce_min(tf.stack([p[0] for p in pairs]))
+        high = tf.reduce_max(tf.stack([p[1] for p in pairs]))
+    floating = [t for t in tensors if t.dtype.is_floating]
+    if not floating:
+        zero = tf.constant(0.0)
+        return {"nan": zero, "inf": zero, "min": low, "max": high}
+    if len(floating) == len(tensors) and not _in_xla() and minmax_propagates_nan():
+        # NaN anywhere makes min or max NaN, and an Inf makes it infinite, so
+        # min + max is non-finite exactly when a count can be non-zero.
+        trigger = low + high
+    else:
+        triggers = [_trigger(t) for t in floating]
+        trigger = triggers[0] if len(triggers) == 1 else tf.add_n(triggers)
     return {
-        "nan": _tag(_exact_count("nan", tensors), "nan", tensors, trigger),
-        "inf": _tag(_exact_count("inf", tensors), "inf", tensors, trigger),
+        "nan": _tag(_exact_count("nan", floating), "nan", floating, trigger),
+        "inf": _tag(_exact_count("inf", floating), "inf", floating, trigger),
         "min": low,
         "max": high,
     }
 
 
 def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
-    """nan/inf counts and the sum of squares of a list of gradients.
+    """nan/inf counts and the half sum of squares (``norm``) of gradients.
 
     ``None`` (a tensor the loss does not depend on) counts as a zero gradient.
     """
@@ -158,7 +220,7 @@ def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
     if not grads:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero, "norm": zero}
-    squares = [sum_squares(g) for g in grads]
+    squares = [half_sum_squares(g) for g in grads]
     # The sum of squares is NaN or Inf whenever a gradient holds one: it is
     # the trigger of the lazy counts, at no extra cost.
     norm = squares[0] if len(squares) == 1 else tf.add_n(squares)
@@ -293,7 +355,7 @@ class StatsBuilder:
             n_min = len(self._partials["min"])
             stacked["min"] = -extremes[:n_min]
             stacked["max"] = extremes[n_min:]
-        stacked["sumsq"] = tf.sqrt(stacked["sumsq"])
+        stacked["sumsq"] = tf.sqrt(2.0 * stacked["sumsq"])  # the partials are half sums
         offsets, flat, start = {}, [], 0
         for g in _GROUPS:
             offsets[g] = start

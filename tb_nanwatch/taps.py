@@ -45,11 +45,45 @@ def _float_tensors(value: Any) -> list[tf.Tensor]:
     ]
 
 
+# Ops that hand out a dataset element: the resource they read is an iterator,
+# not a variable, so the walk in ``_reads_variables`` stops there.
+_ITERATOR_OPS = ("Iterator", "MultiDeviceIterator", "AnonymousIterator")
+
+
+def _reads_variables(t: tf.Tensor) -> bool:
+    """Whether ``t`` is computed from a variable (conservatively: any op with a
+    resource input other than a dataset iterator, such as ``ReadVariableOp``).
+
+    A tensor that is not, e.g. the batch fed to the first layer, cannot carry
+    a gradient into any weight, so its gradient is not asked for: that would
+    be a backward op the training itself never runs (a whole extra matmul or
+    convolution for the first layer).
+    """
+    if not hasattr(t, "op"):
+        return True  # an eager tensor or a variable: be conservative
+    stack, seen = [t.op], set()
+    while stack:
+        op = stack.pop()
+        if op.name in seen or op.type.startswith(_ITERATOR_OPS):
+            continue
+        seen.add(op.name)
+        if any(i.dtype == tf.resource for i in op.inputs):
+            return True
+        stack.extend(i.op for i in op.inputs)
+    return False
+
+
 def _own_copy(value: Any) -> Any:
-    """A float tensor as a fresh identity (Keras mask kept); anything else as is."""
-    if not isinstance(value, tf.Tensor) or not value.dtype.is_floating:
+    """A float tensor computed from variables as a fresh identity (Keras mask
+    kept); anything else as is."""
+    if (
+        not isinstance(value, tf.Tensor)
+        or not value.dtype.is_floating
+        or not _reads_variables(value)
+    ):
         return value
     copy = tf.identity(value)
+    copy._nanwatch_own_copy = True
     mask = getattr(value, "_keras_mask", None)
     if mask is not None:
         copy._keras_mask = mask
@@ -57,12 +91,13 @@ def _own_copy(value: Any) -> Any:
 
 
 def _own_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tf.Tensor]]:
-    """Gives a layer its own copy of its first input.
+    """Gives a layer its own copy of its first input, to be watched.
 
     A tensor feeding several layers has one gradient, the sum over all of
     them; through its own identity copy each layer's input gradient holds
     only that layer's share, so a NaN made in one consumer's backward pass is
-    not blamed on another. The identity changes no value.
+    not blamed on another. The identity changes no value. An input that is
+    not computed from any variable gets no copy and is not watched.
     """
     if args:
         first = tf.nest.map_structure(_own_copy, args[0])
@@ -72,7 +107,8 @@ def _own_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tf.Tensor]
         kwargs = {**kwargs, "inputs": first}
     else:
         return args, kwargs, []
-    return args, kwargs, _float_tensors(first)
+    watched = [t for t in tf.nest.flatten(first) if getattr(t, "_nanwatch_own_copy", False)]
+    return args, kwargs, watched
 
 
 def layer_paths(model: keras.Model) -> dict[int, str]:

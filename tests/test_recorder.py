@@ -237,3 +237,103 @@ def test_on_suspect_copies_weights_only_for_suspect_steps(tmp_path):
     assert bundle.weights == {} and bundle.info["weights_before_step"] is None
     with pytest.raises(ValueError, match="no weights"):
         bundle.restore(scenarios.update_adam_eps0()[0])
+
+
+def test_recorded_statistics_match_an_eager_recomputation(tmp_path):
+    """Step 0's vector against the same numbers computed eagerly, one by one."""
+    keras.utils.set_random_seed(0)
+    model, kwargs, _ = scenarios.healthy()
+    x0 = kwargs["x"][: scenarios.BATCH]
+    y0 = kwargs["y"][: scenarios.BATCH]
+    names = _layer_names(model)
+    probe = keras.Model(model.inputs[0], [model.get_layer(n).output for n in names])
+    with tf.GradientTape() as tape:
+        outs = probe(x0, training=True)
+        loss = model.compute_loss(x=x0, y=y0, y_pred=outs[-1])
+    grads = tape.gradient(loss, model.trainable_weights)
+    expected_acts = {n: o.numpy() for n, o in zip(names, outs, strict=True)}
+
+    watch = tb_nanwatch.NanWatch(str(tmp_path), window=64)  # the whole run
+    model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
+    steps, window = watch.journal.flight_window()
+    assert steps[0] == 0
+    schema, vector = watch.journal.schema, window[0]
+
+    header = schema.values(vector, schema.header())
+    assert header["loss"] == pytest.approx(float(loss), rel=1e-5)
+    expected_norm = np.sqrt(sum(float(np.sum(g.numpy() ** 2)) for g in grads))
+    assert header["grad_norm"] == pytest.approx(expected_norm, rel=1e-4)
+    for entry in schema.find(kind="activation"):
+        got = schema.values(vector, entry)
+        want = expected_acts[entry.layer]
+        assert (got["min"], got["max"]) == pytest.approx((want.min(), want.max()), rel=1e-5)
+        assert got["nan"] == got["inf"] == 0
+    by_path = {v.path: g.numpy() for v, g in zip(model.trainable_weights, grads, strict=True)}
+    grad_vars = schema.find(kind="grad_var")
+    assert len(grad_vars) == len(by_path)
+    for entry in grad_vars:
+        path = entry.tensor.removeprefix("gradient of ")
+        want = float(np.linalg.norm(by_path[path]))
+        assert schema.values(vector, entry)["norm"] == pytest.approx(want, rel=1e-4)
+
+
+def _layer_names(model):
+    return [layer.name for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+
+
+def test_input_gradient_only_where_it_can_reach_a_weight(tmp_path):
+    # dense_0 is fed by the batch itself: no weight is upstream of its input, so
+    # the gradient w.r.t. that input (an extra backward matmul) is not asked for.
+    _, watch, _, _ = fit(scenarios.healthy, tmp_path)
+    grad_in = [e.layer for e in watch.journal.schema.find(kind="grad_in")]
+    assert grad_in == ["head", "dense_2", "dense_1"]
+
+
+def test_a_healthy_run_copies_no_batch_and_no_weights(tmp_path):
+    _, watch, _, _ = fit(scenarios.healthy, tmp_path / "default")
+    assert watch._recorder.stashed_steps() == (None, None)
+    _, watch, _, _ = fit(scenarios.healthy, tmp_path / "every", pre_step_weights="every_step")
+    last = watch.journal.steps - 1
+    assert watch._recorder.stashed_steps() == (None, last)
+
+
+def test_every_step_copy_gives_an_exact_update_phase_bundle(tmp_path):
+    _, watch, truth, _ = fit(scenarios.update_adam_eps0, tmp_path, pre_step_weights="every_step")
+    bundle = tb_nanwatch.load_bundle(str(tmp_path))
+    assert bundle.step == truth["step"] and bundle.info["exact"]
+    assert bundle.info["weights_before_step"] == truth["step"]
+    assert bundle.weights and all(np.isfinite(w).all() for w in bundle.weights.values())
+
+
+@pytest.mark.parametrize(
+    "build", [scenarios.forward_log_negative, scenarios.input_nan], ids=lambda b: b.__name__
+)
+def test_same_diagnosis_where_min_and_max_may_drop_nan(build, tmp_path, monkeypatch):
+    # On a device whose min/max ignore NaN the activations' trigger is their sum.
+    from tb_nanwatch import step_stats
+
+    monkeypatch.setattr(step_stats, "_MINMAX_PROPAGATES_NAN", False)
+    _, watch, truth, _ = fit(build, tmp_path)
+    assert_matches(watch.incident, truth)
+
+
+def test_our_readers_run_before_the_steps_own_consumers():
+    from tb_nanwatch import recorder
+
+    ops = {}
+
+    @tf.function
+    def step(x):
+        g = x * 2.0
+        theirs = tf.nn.relu(g)
+        with tf.name_scope(recorder.STATS_SCOPE):
+            ours = tf.reduce_sum(g)
+        recorder._readers_first([g])
+        ops.update(theirs=theirs.op, ours=ours.op)
+        return theirs, ours
+
+    theirs, ours = step(tf.constant([1.0, -2.0, 3.0]))
+    assert ops["ours"] in ops["theirs"].control_inputs
+    assert ops["theirs"] not in ops["ours"].control_inputs
+    np.testing.assert_array_equal(theirs.numpy(), [2.0, 0.0, 6.0])
+    assert float(ours) == 4.0

@@ -1,0 +1,163 @@
+"""Paired, step-by-step A/B of NanWatch's in-graph cost, in one process.
+
+``run_bench.py`` times each tool in its own process, in interleaved rounds of
+tens of steps; on a shared VM a round can land in a fast or a slow phase of
+the machine, which leaves about +-0.1 of noise in the ratios. This script
+takes the other road: one process, the same model built twice (same weights,
+same batches) as a plain custom training step and as the same step watched by
+:class:`tb_nanwatch.StepWatcher`, and it alternates them *every step*, in a
+random order, so both halves of each pair see the same machine. The ratio is
+the median over pairs of (watched step / plain step), with its quartiles.
+
+It measures the custom-loop front end (the callback's step is the same
+recorder; ``fit``'s own loop is not in it), including the host side
+(``end_step``: one fetch, the journal).
+
+    python bench/paired.py                      # mlp, ~1 min
+    python bench/paired.py --models mlp,lstm --pairs 2000 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+
+def _plain_runner(model, optimizer, loss_fn, batches):
+    import tensorflow as tf
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    def run(i: int) -> None:
+        step(*batches[i % len(batches)]).numpy()
+
+    return run
+
+
+def _watched_runner(model, optimizer, loss_fn, batches, watcher):
+    import tensorflow as tf
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
+            y_pred = model(x, training=True)
+            loss = rec.loss(loss_fn(y, y_pred), y_pred=y_pred)
+        grads = tape.gradient(loss, rec.sources(model.trainable_variables))
+        grads = rec.gradients(grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        rec.after_update()
+        return loss
+
+    def run(i: int) -> None:
+        step(*batches[i % len(batches)]).numpy()
+        watcher.end_step()
+
+    return run
+
+
+def make_steps(spec: str, variants: list[str], log_root: str) -> dict:
+    """One runner per variant, each on its own copy of the same model."""
+    import keras
+    import tensorflow as tf
+    import worker
+
+    import tb_nanwatch
+
+    shape = worker.parse_model(spec)
+    steps = {}
+    for variant in variants:
+        keras.utils.set_random_seed(0)
+        model, x, y = worker.build(shape)
+        n = shape["batch"]
+        batches = [
+            (tf.constant(x[i * n : (i + 1) * n]), tf.constant(y[i * n : (i + 1) * n]))
+            for i in range(8)
+        ]
+        optimizer = keras.optimizers.Adam(1e-3)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy()
+        if variant == "plain":
+            run = _plain_runner(model, optimizer, loss_fn, batches)
+        else:
+            watcher = tb_nanwatch.StepWatcher(
+                os.path.join(log_root, f"{spec}-{variant}"),
+                model,
+                optimizer,
+                pre_step_weights="every_step" if variant == "nanwatch_every_step" else "on_suspect",
+            )
+            run = _watched_runner(model, optimizer, loss_fn, batches, watcher)
+        for i in range(10):  # tracing and first-call costs
+            run(i)
+        steps[variant] = run
+    return steps
+
+
+def measure(spec: str, pairs: int, variants: list[str], log_root: str) -> dict:
+    steps = make_steps(spec, variants, log_root)
+    times = {v: np.zeros(pairs) for v in variants}
+    order = list(variants)
+    shuffle = random.Random(0).shuffle
+    for i in range(pairs):
+        shuffle(order)
+        for v in order:
+            start = time.perf_counter()
+            steps[v](i)
+            times[v][i] = time.perf_counter() - start
+    rows = []
+    for v in variants:
+        ratio = times[v] / times["plain"]
+        rows.append(
+            {
+                "variant": v,
+                "median_ms": float(np.median(times[v]) * 1e3),
+                "ratio_median": float(np.median(ratio)),
+                "ratio_q25": float(np.percentile(ratio, 25)),
+                "ratio_q75": float(np.percentile(ratio, 75)),
+            }
+        )
+    return {"model": spec, "pairs": pairs, "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp")
+    parser.add_argument("--pairs", type=int, default=1500)
+    parser.add_argument("--json", help="write the results to this file")
+    args = parser.parse_args()
+    variants = ["plain", "nanwatch", "nanwatch_every_step"]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="nwpaired-") as log_root:
+        for spec in args.models.split(","):
+            result = measure(spec, args.pairs, variants, log_root)
+            results.append(result)
+            print(f"== {spec} ({args.pairs} pairs)")
+            for row in result["rows"]:
+                print(
+                    f"  {row['variant']:22s} median {row['median_ms']:7.2f} ms/step  "
+                    f"paired ratio {row['ratio_median']:.3f} "
+                    f"[q25 {row['ratio_q25']:.3f}, q75 {row['ratio_q75']:.3f}]",
+                    flush=True,
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
