@@ -367,7 +367,9 @@ class StepRecorder:
             tf.cond(capturing, copy, lambda: tf.constant(False))
         else:
             suspect = builder.suspect()
-            tf.cond(tf.logical_and(suspect, capturing), copy, lambda: tf.constant(False))
+            step_stats.rare_cond(
+                tf.logical_and(suspect, capturing), copy, lambda: tf.constant(False)
+            )
 
     def after_update(self, pending: PendingStep, weights: list, model) -> None:
         """Adds the update entries and writes the step's row into the buffer.
@@ -410,7 +412,7 @@ class StepRecorder:
             self._stash_count.assign(count)
             return tf.constant(True)
 
-        tf.cond(tf.logical_and(bad, capturing), keep_batch, lambda: tf.constant(False))
+        step_stats.rare_cond(tf.logical_and(bad, capturing), keep_batch, lambda: tf.constant(False))
         self._frozen.assign(tf.logical_or(tf.logical_not(capturing), incident))
         slot = tf.cast((count - 1) % self.capacity, tf.int32)
         seq = tf.cast(count % SEQ_MODULO, tf.float32)
@@ -631,7 +633,7 @@ def _skipped_by_loss_scaler(grad_fields: list[dict], grad_sumsq: tf.Tensor) -> t
         bad = tf.add_n([step_stats.exact_bad_count(f) for f in grad_fields])
         return tf.cast(bad > 0, tf.float32)
 
-    return tf.cond(tf.math.is_finite(grad_sumsq), lambda: tf.constant(0.0), exact)
+    return step_stats.rare_cond(tf.math.is_finite(grad_sumsq), lambda: tf.constant(0.0), exact)
 
 
 def _loss_fields(value) -> dict:

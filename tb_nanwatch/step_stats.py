@@ -31,6 +31,7 @@ statistics are built from as few ops as possible, each one full pass at most:
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import control_flow_util
 
 from tb_nanwatch.schema import Schema
@@ -63,6 +64,25 @@ def _f32(t) -> tf.Tensor:
 # attribute, so that StatsBuilder can replace it by its lazy form.
 _LAZY_ATTR = "_nanwatch_lazy_count"
 _TRIGGER_ATTR = "_nanwatch_trigger"
+
+
+def rare_cond(pred: tf.Tensor, true_fn, false_fn):
+    """``tf.cond`` for a branch that almost never runs.
+
+    Outside XLA, TensorFlow lowers a ``tf.cond`` to Switch/Merge nodes, and
+    the executor then walks every node of the branch *not* taken, each step,
+    to mark it dead: for the exact NaN/Inf counts that is hundreds of nodes a
+    step for nothing. Kept as a functional ``If`` op, only the branch taken
+    runs (one function call).
+    """
+    out = tf.cond(pred, true_fn, false_fn)
+    if not _in_xla():
+        op = tf.nest.flatten(out)[0].op
+        while op.type not in ("If", "StatelessIf") and op.inputs:
+            op = op.inputs[0].op
+        if op.type in ("If", "StatelessIf"):
+            op._set_attr("_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
+    return out
 
 
 def _exact_nan(t: tf.Tensor) -> tf.Tensor:
@@ -316,7 +336,7 @@ class StatsBuilder:
         def clean() -> tf.Tensor:
             return tf.zeros([len(lazy)], tf.float32)
 
-        lazy_values = tf.cond(maybe_bad, exact, clean)
+        lazy_values = rare_cond(maybe_bad, exact, clean)
         if not eager:
             return lazy_values
         parts = tf.concat([tf.stack([specs[i][1] for i in eager]), lazy_values], 0)

@@ -337,3 +337,21 @@ def test_our_readers_run_before_the_steps_own_consumers():
     assert ops["theirs"] not in ops["ours"].control_inputs
     np.testing.assert_array_equal(theirs.numpy(), [2.0, 0.0, 6.0])
     assert float(ours) == 4.0
+
+
+def test_rare_cond_stays_a_functional_if_and_takes_either_branch():
+    from tb_nanwatch import step_stats
+
+    ifs = []
+
+    @tf.function
+    def pick(flag, x):
+        out = step_stats.rare_cond(flag, lambda: tf.reduce_sum(x), lambda: tf.constant(-1.0))
+        graph = tf.compat.v1.get_default_graph()
+        ifs.extend(op for op in graph.get_operations() if op.type in ("If", "StatelessIf"))
+        return out
+
+    x = tf.constant([1.0, 2.0])
+    assert float(pick(tf.constant(True), x)) == 3.0
+    assert float(pick(tf.constant(False), x)) == -1.0
+    assert ifs and all(op.get_attr("_lower_using_switch_merge") is False for op in ifs)
