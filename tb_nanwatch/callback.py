@@ -52,7 +52,7 @@ from tb_nanwatch.host import (
     base_run_info,
 )
 from tb_nanwatch.journal import RunJournal
-from tb_nanwatch.recorder import StepRecorder
+from tb_nanwatch.recorder import ROW_KEY, StepRecorder
 
 logger = logging.getLogger("tb_nanwatch")
 
@@ -194,6 +194,7 @@ class NanWatch(keras.callbacks.Callback):
             )
             object.__setattr__(model, "train_step", self._recorder.keras_train_step)
             model.make_train_function(force=True)
+            model.train_function = _handing_over(model.train_function, self._recorder)
         except Exception as error:  # noqa: BLE001 - never break the user's fit
             self._restore_model()
             self._disable(f"could not instrument the train step: {error!r}")
@@ -299,6 +300,20 @@ class NanWatch(keras.callbacks.Callback):
             model.make_train_function(force=True)
         if self._recorder is not None:
             self._recorder.uninstall()
+
+
+def _handing_over(train_function, recorder: StepRecorder):
+    """Wraps Keras' train function: the step's row, returned under
+    ``ROW_KEY``, goes to the recorder and never reaches the logs."""
+
+    def train_function_without_row(iterator):
+        logs = train_function(iterator)
+        if isinstance(logs, dict) and ROW_KEY in logs:
+            logs = dict(logs)
+            recorder.hand_over(logs.pop(ROW_KEY))
+        return logs
+
+    return train_function_without_row
 
 
 def _sibling_callbacks(callback: keras.callbacks.Callback) -> list:

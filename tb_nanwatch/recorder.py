@@ -30,6 +30,10 @@ SEQ_MODULO = 1 << 23
 
 PRE_STEP_WEIGHTS = ("every_step", "on_suspect", "off")
 
+# The key under which the Keras train step also returns the step's row, so that
+# fit hands it over with the step's outputs (see StepRecorder.hand_over).
+ROW_KEY = "_nanwatch_row"
+
 # Every op the statistics add to the step graph is created under this scope.
 STATS_SCOPE = "nanwatch_stats"
 # The op types that read a watched tensor directly (a reduction, or the cast
@@ -99,6 +103,7 @@ class StepRecorder:
         self._replicas = 1
         self.watched_weights: list | None = None  # the variables of the stashed weights
         self._last_seq = 0
+        self._handed_row: tf.Tensor | None = None
         self.trace_error: Exception | None = None
         self.tapped_layers = [path for _, path in self.taps._layers]
         # Watched layers never seen in the step graph (see ``not_watched``).
@@ -186,7 +191,7 @@ class StepRecorder:
         # A failure in our own statistics must not change or break the step:
         # it is remembered (the callback warns and stops watching) and the
         # step goes on exactly as Keras' own would.
-        pending = None
+        pending, row = None, None
         try:
             pending = self.before_update(
                 trace, x, y, y_pred, loss, weights, all_grads, model.optimizer, data, model
@@ -197,10 +202,13 @@ class StepRecorder:
             model.optimizer.apply_gradients(zip(grads, weights, strict=False))
         if pending is not None:
             try:
-                self.after_update(pending, weights, model)
+                row = self.after_update(pending, weights, model)
             except Exception as error:  # noqa: BLE001
                 self.trace_error = error
-        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if row is not None and self.capacity == 1 and _replicas_in_sync() == 1:
+            logs = {**logs, ROW_KEY: row}
+        return logs
 
     @staticmethod
     def watched_tensors(trace: StepTrace) -> list[tf.Tensor]:
@@ -371,17 +379,18 @@ class StepRecorder:
                 tf.logical_and(suspect, capturing), copy, lambda: tf.constant(False)
             )
 
-    def after_update(self, pending: PendingStep, weights: list, model) -> None:
+    def after_update(self, pending: PendingStep, weights: list, model) -> tf.Tensor:
         """Adds the update entries and writes the step's row into the buffer.
 
         The batch is kept only for a step that went non-finite (it is still
         at hand after the update), so a healthy step copies nothing.
         """
         with tf.name_scope(STATS_SCOPE):
-            self._after_update(pending, weights, model)
+            row = self._after_update(pending, weights, model)
         _readers_first(pending.gradients)
+        return row
 
-    def _after_update(self, pending: PendingStep, weights: list, model) -> None:
+    def _after_update(self, pending: PendingStep, weights: list, model) -> tf.Tensor:
         builder = pending.builder
         owners = variable_owners(model, self.taps)
         for v in weights:
@@ -425,6 +434,7 @@ class StepRecorder:
                 self._buffer.read_value(), tf.reshape(slot, [1, 1]), tf.reshape(row, [1, -1])
             )
         )
+        return row
 
     # -- host side ---------------------------------------------------------------
 
@@ -438,7 +448,10 @@ class StepRecorder:
         """
         if self._buffer is None:
             return []
-        rows = _read(_first_local(self._buffer))
+        handed, self._handed_row = self._handed_row, None
+        # The row fit handed over is already a host-side output of the step;
+        # otherwise one read of the device buffer.
+        rows = handed._numpy()[None, :] if handed is not None else _read(_first_local(self._buffer))
         seqs = rows[:, 0].astype(np.int64)
         ahead = (seqs - self._last_seq) % SEQ_MODULO
         fresh = [(a, i) for i, a in enumerate(ahead) if 0 < a <= self.capacity]
@@ -447,6 +460,11 @@ class StepRecorder:
             self._last_seq = int(seqs[fresh[-1][1]])
         size = rows.shape[1] - 1 - self._replicas
         return [(rows[i, 1 : 1 + size], rows[i, 1 + size :]) for _, i in fresh]
+
+    def hand_over(self, row: tf.Tensor) -> None:
+        """Takes the row a Keras train function returned under ``ROW_KEY``
+        (one step, one replica), so that ``fetch_rows`` needs no read."""
+        self._handed_row = row
 
     def fetch(self) -> list[np.ndarray]:
         """The stats vectors written since the last fetch, oldest first."""
@@ -507,6 +525,11 @@ class StepRecorder:
                                 f"(later steps run inside {path}'s loop; {path}'s output is watched)"
                             )
         return notes
+
+
+def _replicas_in_sync() -> int:
+    ctx = tf.distribute.get_replica_context()
+    return ctx.num_replicas_in_sync if ctx is not None else 1
 
 
 def _local_variable(initial, name: str) -> tf.Variable:

@@ -355,3 +355,15 @@ def test_rare_cond_stays_a_functional_if_and_takes_either_branch():
     assert float(pick(tf.constant(True), x)) == 3.0
     assert float(pick(tf.constant(False), x)) == -1.0
     assert ifs and all(op.get_attr("_lower_using_switch_merge") is False for op in ifs)
+
+
+def test_fit_hands_the_row_over_with_the_step_outputs(tmp_path, monkeypatch):
+    from tb_nanwatch import recorder
+
+    reads = []
+    read = recorder._read
+    monkeypatch.setattr(recorder, "_read", lambda var: reads.append(1) or read(var))
+    _, watch, _, history = fit(scenarios.healthy, tmp_path)
+    assert watch.journal.steps == 60
+    assert reads == []  # no separate read of the device buffer
+    assert set(history.history) == {"loss"}  # the row never reaches the logs
