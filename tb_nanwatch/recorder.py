@@ -13,6 +13,7 @@ reproduction bundle can hold the exact state that produced the incident.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from typing import Any
 
@@ -611,8 +612,13 @@ def _unstash(slot) -> np.ndarray | None:
     return shards[0] if len(shards) == 1 else np.concatenate(shards, 0)
 
 
+# A name scope opened twice in one graph becomes ``nanwatch_stats_1``, and a
+# replica's ops are prefixed (``replica_1/...``): match any path component.
+_OUR_SCOPE = re.compile(rf"(^|/){STATS_SCOPE}(_\d+)?/")
+
+
 def _is_ours(op) -> bool:
-    return f"{STATS_SCOPE}/" in op.name or op.name.startswith(STATS_SCOPE)
+    return _OUR_SCOPE.search(op.name) is not None
 
 
 def _readers_first(tensors: list) -> None:

@@ -256,16 +256,15 @@ class StatsBuilder:
 
     def __init__(self) -> None:
         self.schema = Schema()
-        self._partials: dict[str, list[tf.Tensor]] = {g: [] for g in _GROUPS}
+        # The partials of every group but "sum" (see ``_sum_specs``).
+        self._partials: dict[str, list[tf.Tensor]] = {g: [] for g in _GROUPS if g != "sum"}
         self._layout: list[tuple[str, int]] = []  # vector slot -> (group, index)
         # For each diagnosed entry, the indices of its nan and inf partials in
         # the "sum" group: used for the per-replica view of where it went bad.
         self._bad_slots: list[tuple[int, int]] = []
         self.replica_first_bad: tf.Tensor | None = None
-        # Per "sum" slot: ("tensor", t) or ("lazy", kind, sources, trigger).
-        # ``_partials["sum"]`` holds, for a lazy slot, a cheap 0/1 indicator
-        # (1 when its trigger is non-finite), so that "sum of the partials > 0"
-        # still means "something may be non-finite" for code that asks.
+        # The "sum" group (NaN/Inf counts), one spec a slot: ("tensor", t) or
+        # ("lazy", kind, sources, trigger); ``_sum_vector`` turns them into values.
         self._sum_specs: list[tuple] = []
 
     def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields: dict) -> None:
@@ -274,19 +273,19 @@ class StatsBuilder:
         slots = {}
         for name in entry.fields:
             group = ops[name]
-            slots[name] = len(self._partials[group])
+            slots[name] = self._group_size(group)
             self._layout.append((group, slots[name]))
             value = fields[name]
-            lazy = getattr(value, _LAZY_ATTR, None) if group == "sum" else None
-            if lazy is not None:
-                kind_, sources, trigger = lazy
-                self._sum_specs.append(("lazy", kind_, sources, trigger))
-                value = tf.cast(tf.logical_not(tf.math.is_finite(trigger)), tf.float32)
-            elif group == "sum":
-                self._sum_specs.append(("tensor", _f32(value)))
-            self._partials[group].append(_f32(value))
+            if group == "sum":
+                lazy = getattr(value, _LAZY_ATTR, None)
+                self._sum_specs.append(("lazy", *lazy) if lazy else ("tensor", _f32(value)))
+            else:
+                self._partials[group].append(_f32(value))
         if kind != "header":
             self._bad_slots.append((slots["nan"], slots["inf"]))
+
+    def _group_size(self, group: str) -> int:
+        return len(self._sum_specs) if group == "sum" else len(self._partials[group])
 
     def _local_first_bad(self, sums: tf.Tensor) -> tf.Tensor:
         """Ordinal (among diagnosed entries) of this replica's first non-finite
@@ -346,9 +345,7 @@ class StatsBuilder:
     def vector(self) -> tf.Tensor:
         """The packed float32 vector, reduced across replicas when needed."""
         stacked = {
-            g: tf.stack(v) if v else tf.zeros([0], tf.float32)
-            for g, v in self._partials.items()
-            if g != "sum"
+            g: tf.stack(v) if v else tf.zeros([0], tf.float32) for g, v in self._partials.items()
         }
         stacked["sum"] = self._sum_vector()
         ctx = tf.distribute.get_replica_context()
@@ -360,7 +357,7 @@ class StatsBuilder:
                 tf.distribute.ReduceOp.SUM,
                 tf.concat([stacked["sum"], stacked["sumsq"], stacked["mean"]], 0),
             )
-            n_sum, n_sq = len(self._partials["sum"]), len(self._partials["sumsq"])
+            n_sum, n_sq = len(self._sum_specs), len(self._partials["sumsq"])
             stacked["sum"] = sums[:n_sum]
             stacked["sumsq"] = sums[n_sum : n_sum + n_sq]
             stacked["mean"] = sums[n_sum + n_sq :] / float(replicas)
@@ -379,7 +376,7 @@ class StatsBuilder:
         offsets, flat, start = {}, [], 0
         for g in _GROUPS:
             offsets[g] = start
-            start += len(self._partials[g])
+            start += self._group_size(g)
             flat.append(stacked[g])
         index = [offsets[g] + i for g, i in self._layout]
         return tf.gather(tf.concat(flat, 0), tf.constant(index, tf.int32))

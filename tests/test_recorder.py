@@ -367,3 +367,22 @@ def test_fit_hands_the_row_over_with_the_step_outputs(tmp_path, monkeypatch):
     assert watch.journal.steps == 60
     assert reads == []  # no separate read of the device buffer
     assert set(history.history) == {"loss"}  # the row never reaches the logs
+
+
+@pytest.mark.parametrize(
+    "name, ours",
+    [
+        ("nanwatch_stats/Sum", True),
+        ("nanwatch_stats_1/cond", True),  # the scope opened a second time
+        ("replica_1/nanwatch_stats_2/L2Loss", True),
+        ("dense/MatMul", False),
+        ("my_nanwatch_stats/Sum", False),
+        ("nanwatch_statsx/Sum", False),
+    ],
+)
+def test_our_ops_are_told_apart_by_their_scope(name, ours):
+    from types import SimpleNamespace
+
+    from tb_nanwatch import recorder
+
+    assert recorder._is_ours(SimpleNamespace(name=name)) is ours
