@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,18 +37,12 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-CHROMIUM = os.environ.get("NANWATCH_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+# The browser is launched exactly as the browser tests launch it.
+from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS, free_port  # noqa: E402
+from worker import dir_bytes, vm_rss_kib  # noqa: E402
+
 IFRAME = 'iframe[src*="plugin_entry.html?name=nanwatch"]'
 
 
@@ -57,21 +50,12 @@ def log(msg: str) -> None:
     print(f"[plugin_scale {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rss_mib(pid: int) -> float | None:
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
+        kib = vm_rss_kib(pid)
+    except OSError:  # the process is gone
         return None
-    return None
+    return kib / 1024 if kib >= 0 else None
 
 
 def children(pid: int) -> list[int]:
@@ -104,12 +88,6 @@ def get(url: str, timeout: float = 60.0) -> tuple[float, int, bytes]:
         body = response.read()
         code = response.status
     return time.perf_counter() - start, code, body
-
-
-def dir_bytes(path: str) -> int:
-    return sum(
-        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
-    )
 
 
 def generate(logdir: str, run: str, steps: int, layers: int, incident_step: int) -> dict:
