@@ -9,6 +9,13 @@ same batches) as a plain custom training step and as the same step watched by
 random order, so both halves of each pair see the same machine. The ratio is
 the median over pairs of (watched step / plain step), with its quartiles.
 
+A third variant, ``floor``, is the plain step plus *one bare reduction*
+(``reduce_sum``) of every tensor NanWatch reads (each watched layer's output,
+every gradient it asks for, every weight after the update) and one transfer
+of the results: no min/max, norms, counts, packing or host work. It is what
+any per-tensor, every-step check of those tensors costs at least on this
+machine, and so how low NanWatch's ratio can go without checking fewer tensors.
+
 It measures the custom-loop front end (the callback's step is the same
 recorder; ``fit``'s own loop is not in it), including the host side
 (``end_step``: one fetch, the journal).
@@ -47,6 +54,36 @@ def _plain_runner(model, optimizer, loss_fn, batches):
 
     def run(i: int) -> None:
         step(*batches[i % len(batches)]).numpy()
+
+    return run
+
+
+def _floor_runner(model, optimizer, loss_fn, batches):
+    import tensorflow as tf
+
+    from tb_nanwatch.recorder import StepRecorder
+    from tb_nanwatch.taps import LayerTaps
+
+    taps = LayerTaps(model)  # the same watched tensors as NanWatch's
+    taps.install()
+    weights = model.trainable_variables
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape, taps.recording(tape) as trace:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, list(weights) + StepRecorder.watched_tensors(trace))
+        optimizer.apply_gradients(zip(grads[: len(weights)], weights, strict=True))
+        outputs = [t for call in trace.calls for t in call.outputs]
+        read = {id(t): t for t in outputs + [g for g in grads if g is not None]}
+        sums = [
+            tf.reduce_sum(t.values if isinstance(t, tf.IndexedSlices) else t) for t in read.values()
+        ]
+        sums += [tf.reduce_sum(v) for v in weights]  # read after the update
+        return loss, tf.stack(sums)
+
+    def run(i: int) -> None:
+        step(*batches[i % len(batches)])[1].numpy()
 
     return run
 
@@ -94,6 +131,8 @@ def make_steps(spec: str, variants: list[str], log_root: str) -> dict:
         loss_fn = keras.losses.SparseCategoricalCrossentropy()
         if variant == "plain":
             run = _plain_runner(model, optimizer, loss_fn, batches)
+        elif variant == "floor":
+            run = _floor_runner(model, optimizer, loss_fn, batches)
         else:
             watcher = tb_nanwatch.StepWatcher(
                 os.path.join(log_root, f"{spec}-{variant}"),
@@ -140,7 +179,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=1500)
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args()
-    variants = ["plain", "nanwatch", "nanwatch_every_step"]
+    variants = ["plain", "floor", "nanwatch", "nanwatch_every_step"]
     results = []
     with tempfile.TemporaryDirectory(prefix="nwpaired-") as log_root:
         for spec in args.models.split(","):

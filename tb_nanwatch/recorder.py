@@ -39,7 +39,7 @@ ROW_KEY = "_nanwatch_row"
 STATS_SCOPE = "nanwatch_stats"
 # The op types that read a watched tensor directly (a reduction, or the cast
 # before one); each depends on that one tensor only.
-_READER_OPS = frozenset({"L2Loss", "Sum", "Min", "Max", "Cast"})
+_READER_OPS = frozenset({"L2Loss", "Sum", "Min", "Max", "Cast", "Switch"})
 
 
 def _names(

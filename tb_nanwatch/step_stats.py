@@ -178,6 +178,29 @@ def count_inf(t: tf.Tensor) -> tf.Tensor:
 _HALF_SUMSQ_ATTR = "_nanwatch_half_sum_squares"
 
 
+def held_if_non_finite(t: tf.Tensor, trigger: tf.Tensor) -> tf.Tensor:
+    """``t`` itself when ``trigger`` is non-finite, else an empty tensor.
+
+    The lazy exact counts run in one ``tf.cond`` at the end of the step. Had
+    that cond taken ``t`` as an input, ``t``'s buffer would live until then:
+    every watched activation and gradient at once, where the step alone frees
+    each as soon as the backward pass is done with it (more peak memory), and
+    the step's own ops that write into their input's buffer when they are its
+    last user (``ReluGrad`` into the incoming gradient, the optimizer's ``Sub``
+    into a weight's gradient) would each allocate a fresh one. A ``Switch`` on
+    the tensor's own trigger, run as soon as the trigger is known, lets go of
+    the buffer on a healthy step. Under XLA, which plans buffers itself, ``t``
+    is returned.
+    """
+    if _in_xla():
+        return t
+    finite = tf.math.is_finite(trigger)
+    when_bad, _ = tf.raw_ops.Switch(data=t, pred=finite)
+    _, when_finite = tf.raw_ops.Switch(data=tf.zeros([0], t.dtype), pred=finite)
+    held, _ = tf.raw_ops.Merge(inputs=[when_bad, when_finite])
+    return held
+
+
 def half_sum_squares(t) -> tf.Tensor:
     """sum(t**2) / 2 as float32: one fused ``L2Loss`` op, cached on the tensor
     so that a tensor watched twice is reduced once."""
@@ -223,9 +246,10 @@ def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
     else:
         triggers = [_trigger(t) for t in floating]
         trigger = triggers[0] if len(triggers) == 1 else tf.add_n(triggers)
+    held = [held_if_non_finite(t, trigger) for t in floating]
     return {
-        "nan": _tag(_exact_count("nan", floating), "nan", floating, trigger),
-        "inf": _tag(_exact_count("inf", floating), "inf", floating, trigger),
+        "nan": _tag(_exact_count("nan", floating), "nan", held, trigger),
+        "inf": _tag(_exact_count("inf", floating), "inf", held, trigger),
         "min": low,
         "max": high,
     }
@@ -244,9 +268,10 @@ def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
     # The sum of squares is NaN or Inf whenever a gradient holds one: it is
     # the trigger of the lazy counts, at no extra cost.
     norm = squares[0] if len(squares) == 1 else tf.add_n(squares)
+    held = [held_if_non_finite(g, s) for g, s in zip(grads, squares, strict=True)]
     return {
-        "nan": _tag(_exact_count("nan", grads), "nan", grads, norm),
-        "inf": _tag(_exact_count("inf", grads), "inf", grads, norm),
+        "nan": _tag(_exact_count("nan", grads), "nan", held, norm),
+        "inf": _tag(_exact_count("inf", grads), "inf", held, norm),
         "norm": norm,
     }
 

@@ -339,6 +339,57 @@ def test_our_readers_run_before_the_steps_own_consumers():
     assert float(ours) == 4.0
 
 
+def test_held_if_non_finite_lets_go_of_a_healthy_tensor():
+    from tb_nanwatch import step_stats
+
+    @tf.function
+    def held(x):
+        return step_stats.held_if_non_finite(x, tf.reduce_sum(x))
+
+    assert held(tf.constant([1.0, 2.0])).shape == (0,)
+    bad = tf.constant([1.0, float("nan"), float("inf")])
+    np.testing.assert_array_equal(held(bad).numpy(), bad.numpy())
+
+
+def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
+    # The exact NaN/Inf counts run in a cond at the end of the step. A watched
+    # activation or gradient fed to it directly would stay in memory until
+    # then, and ReluGrad and the optimizer could no longer write into it.
+    from tb_nanwatch import recorder
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+    )
+    optimizer = keras.optimizers.Adam(1e-3)
+    watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
+    conds = []
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
+            loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
+        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        rec.after_update()
+        graph = tf.compat.v1.get_default_graph()
+        conds.extend(
+            op
+            for op in graph.get_operations()
+            if op.type in ("If", "StatelessIf") and recorder._is_ours(op)
+        )
+        return loss
+
+    train_step(tf.ones((4, 8)), tf.ones((4, 1)))
+    watcher.end_step()
+    watcher.close()
+    assert conds
+    # Only variables and the step's own arguments (the batch) come in from
+    # outside our statistics.
+    fed = {t.op.type for op in conds for t in op.inputs if not recorder._is_ours(t.op)}
+    assert fed <= {"Placeholder"}, fed
+
+
 def test_rare_cond_stays_a_functional_if_and_takes_either_branch():
     from tb_nanwatch import step_stats
 
