@@ -16,6 +16,10 @@ of the results: no min/max, norms, counts, packing or host work. It is what
 any per-tensor, every-step check of those tensors costs at least on this
 machine, and so how low NanWatch's ratio can go without checking fewer tensors.
 
+Each variant's memory is measured too: the peak bytes a step allocates above
+what was resident before it (TensorFlow's allocator statistics), the least
+over 5 steps.
+
 It measures the custom-loop front end (the callback's step is the same
 recorder; ``fit``'s own loop is not in it), including the host side
 (``end_step``: one fetch, the journal).
@@ -147,8 +151,24 @@ def make_steps(spec: str, variants: list[str], log_root: str) -> dict:
     return steps
 
 
+def peak_step_memory(run, steps: int = 5) -> int:
+    """Bytes a step allocates above what was resident before it (the least
+    over ``steps`` steps), from TensorFlow's allocator statistics."""
+    import tensorflow as tf
+
+    device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+    peaks = []
+    for i in range(steps):
+        tf.config.experimental.reset_memory_stats(device)
+        before = tf.config.experimental.get_memory_info(device)["current"]
+        run(i)
+        peaks.append(tf.config.experimental.get_memory_info(device)["peak"] - before)
+    return min(peaks)
+
+
 def measure(spec: str, pairs: int, variants: list[str], log_root: str) -> dict:
     steps = make_steps(spec, variants, log_root)
+    peaks = {v: peak_step_memory(steps[v]) for v in variants}
     times = {v: np.zeros(pairs) for v in variants}
     order = list(variants)
     shuffle = random.Random(0).shuffle
@@ -168,6 +188,7 @@ def measure(spec: str, pairs: int, variants: list[str], log_root: str) -> dict:
                 "ratio_median": float(np.median(ratio)),
                 "ratio_q25": float(np.percentile(ratio, 25)),
                 "ratio_q75": float(np.percentile(ratio, 75)),
+                "step_peak_bytes": int(peaks[v]),
             }
         )
     return {"model": spec, "pairs": pairs, "rows": rows}
@@ -190,7 +211,8 @@ def main() -> None:
                 print(
                     f"  {row['variant']:22s} median {row['median_ms']:7.2f} ms/step  "
                     f"paired ratio {row['ratio_median']:.3f} "
-                    f"[q25 {row['ratio_q25']:.3f}, q75 {row['ratio_q75']:.3f}]",
+                    f"[q25 {row['ratio_q25']:.3f}, q75 {row['ratio_q75']:.3f}]  "
+                    f"step peak {row['step_peak_bytes'] / 2**20:.2f} MiB above resident",
                     flush=True,
                 )
     if args.json:
