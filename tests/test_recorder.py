@@ -346,9 +346,13 @@ def test_held_if_non_finite_lets_go_of_a_healthy_tensor():
     def held(x):
         return step_stats.held_if_non_finite(x, tf.reduce_sum(x))
 
-    assert held(tf.constant([1.0, 2.0])).shape == (0,)
-    bad = tf.constant([1.0, float("nan"), float("inf")])
-    np.testing.assert_array_equal(held(bad).numpy(), bad.numpy())
+    size = step_stats.HOLD_MIN_ELEMENTS
+    assert held(tf.ones([size])).shape == (0,)
+    bad = np.ones(size, np.float32)
+    bad[[3, 7]] = [np.nan, np.inf]
+    np.testing.assert_array_equal(held(tf.constant(bad)).numpy(), bad)
+    small = tf.ones([size - 1])  # kept as it is: cheaper than letting it go
+    np.testing.assert_array_equal(held(small).numpy(), small.numpy())
 
 
 def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
@@ -358,8 +362,17 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
     from tb_nanwatch import recorder
 
     keras.utils.set_random_seed(0)
+    from tb_nanwatch import step_stats
+
+    # Tensors large enough to be let go of (see HOLD_MIN_ELEMENTS), and a few small ones.
+    width = step_stats.HOLD_MIN_ELEMENTS // 8
     model = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(1),
+        ]
     )
     optimizer = keras.optimizers.Adam(1e-3)
     watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
@@ -380,14 +393,21 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
         )
         return loss
 
-    train_step(tf.ones((4, 8)), tf.ones((4, 1)))
+    train_step(tf.ones((8, 8)), tf.ones((8, 1)))
     watcher.end_step()
     watcher.close()
     assert conds
-    # Only variables and the step's own arguments (the batch) come in from
-    # outside our statistics.
-    fed = {t.op.type for op in conds for t in op.inputs if not recorder._is_ours(t.op)}
+    inputs = [t for op in conds for t in op.inputs]
+    # From outside our statistics come only variables, the step's own
+    # arguments (the batch) and tensors too small to be worth letting go of.
+    fed = {
+        t.op.type
+        for t in inputs
+        if not recorder._is_ours(t.op)
+        and not (t.shape.num_elements() or 0) < step_stats.HOLD_MIN_ELEMENTS
+    }
     assert fed <= {"Placeholder"}, fed
+    assert sum(t.op.type == "Merge" for t in inputs) >= 4  # the large ones, let go of
 
 
 def test_rare_cond_stays_a_functional_if_and_takes_either_branch():
