@@ -193,12 +193,12 @@ def held_if_non_finite(t: tf.Tensor, trigger: tf.Tensor) -> tf.Tensor:
     last user (``ReluGrad`` into the incoming gradient, the optimizer's ``Sub``
     into a weight's gradient) would each allocate a fresh one. A ``Switch`` on
     the tensor's own trigger, run as soon as the trigger is known, lets go of
-    the buffer on a healthy step. Under XLA, which plans buffers itself, and
+    the buffer on a healthy step. Eagerly, under XLA (which plans buffers itself) and
     for a tensor smaller than ``HOLD_MIN_ELEMENTS`` (holding it costs less
     than the four small ops that would let it go), ``t`` is returned.
     """
     size = t.shape.num_elements()
-    if _in_xla() or (size is not None and size < HOLD_MIN_ELEMENTS):
+    if tf.executing_eagerly() or _in_xla() or (size is not None and size < HOLD_MIN_ELEMENTS):
         return t
     finite = tf.math.is_finite(trigger)
     when_bad, _ = tf.raw_ops.Switch(data=t, pred=finite)

@@ -355,6 +355,17 @@ def test_held_if_non_finite_lets_go_of_a_healthy_tensor():
     np.testing.assert_array_equal(held(small).numpy(), small.numpy())
 
 
+@pytest.mark.parametrize("build", ORIGIN_CASES, ids=lambda b: b.__name__)
+def test_same_diagnosis_when_every_tensor_is_let_go_of(build, tmp_path, monkeypatch):
+    # These scenarios' tensors are small, so by default the counts read them
+    # directly; here every one goes through held_if_non_finite.
+    from tb_nanwatch import step_stats
+
+    monkeypatch.setattr(step_stats, "HOLD_MIN_ELEMENTS", 0)
+    _, watch, truth, _ = fit(build, tmp_path)
+    assert_matches(watch.incident, truth)
+
+
 def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
     # The exact NaN/Inf counts run in a cond at the end of the step. A watched
     # activation or gradient fed to it directly would stay in memory until
