@@ -380,7 +380,7 @@ def render(results: dict) -> str:
         for group in results["scaling"]:
             rows = {r["tool"]: r for r in group["rows"]}
             plain, nw = rows.get("plain", {}), rows.get("nanwatch", {})
-            sus = rows.get("nanwatch_every_step", {})
+            every = rows.get("nanwatch_every_step", {})
             spec = group["model"]
             if spec.startswith("mlpdeep:"):
                 _, d, wdt, b = spec.split(":")
@@ -390,7 +390,7 @@ def render(results: dict) -> str:
             lines.append(
                 f"| {name} | {b} | {nw.get('schema_entries', 'n/a')} | {fmt(plain.get('median_ms'))} | "
                 f"{fmt(nw.get('median_ms'))} | {fmt(nw.get('ratio'))} | {fmt(nw.get('best_ratio'))} | "
-                f"{fmt(sus.get('ratio'))} | {fmt(sus.get('best_ratio'))} |"
+                f"{fmt(every.get('ratio'))} | {fmt(every.get('best_ratio'))} |"
             )
         lines.append("")
     if results.get("memory"):

@@ -128,8 +128,7 @@ class StepRecorder:
         replica (the statistics are reduced before they are written); the
         batch stash holds each replica's own shard.
         """
-        ctx = tf.distribute.get_replica_context()
-        replicas = ctx.num_replicas_in_sync if ctx is not None else 1
+        replicas = step_stats.replicas_in_sync()
         width = 1 + size + replicas
         with self._lock:
             if self._buffer is not None:
@@ -207,7 +206,7 @@ class StepRecorder:
             except Exception as error:  # noqa: BLE001
                 self.trace_error = error
         logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        if row is not None and self.capacity == 1 and _replicas_in_sync() == 1:
+        if row is not None and self.capacity == 1 and step_stats.replicas_in_sync() == 1:
             logs = {**logs, ROW_KEY: row}
         return logs
 
@@ -526,11 +525,6 @@ class StepRecorder:
                                 f"(later steps run inside {path}'s loop; {path}'s output is watched)"
                             )
         return notes
-
-
-def _replicas_in_sync() -> int:
-    ctx = tf.distribute.get_replica_context()
-    return ctx.num_replicas_in_sync if ctx is not None else 1
 
 
 def _local_variable(initial, name: str) -> tf.Variable:

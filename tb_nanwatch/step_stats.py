@@ -126,6 +126,12 @@ def minmax_propagates_nan() -> bool:
     return _MINMAX_PROPAGATES_NAN
 
 
+def replicas_in_sync() -> int:
+    """Replicas in the current replica context (1 outside any strategy)."""
+    ctx = tf.distribute.get_replica_context()
+    return ctx.num_replicas_in_sync if ctx is not None else 1
+
+
 def _in_xla() -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
@@ -380,7 +386,7 @@ class StatsBuilder:
         }
         stacked["sum"] = self._sum_vector()
         ctx = tf.distribute.get_replica_context()
-        replicas = ctx.num_replicas_in_sync if ctx is not None else 1
+        replicas = replicas_in_sync()
         local_first_bad = self._local_first_bad(stacked["sum"])
         self.replica_first_bad = tf.reshape(local_first_bad, [1])
         if replicas > 1:
