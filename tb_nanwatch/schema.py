@@ -15,11 +15,10 @@ from collections.abc import Iterable
 
 PHASES = ("input", "forward", "loss", "backward", "update")
 
-# Fields of each entry kind, in vector order. ``nan``/``inf`` are element
-# counts; a field whose value is non-finite (``value``, ``norm``) also marks
-# the entry non-finite.
-# Every kind but "header" starts with the element counts ``nan`` and ``inf``,
-# which alone decide whether the entry is non-finite.
+# Fields of each entry kind, in vector order. Every kind but "header" starts
+# with the element counts ``nan`` and ``inf``. Read a field through its name
+# (``Entry.index``, ``Schema.header_index``, ``Schema.indices``), never by a
+# numeric offset: adding a field then breaks nothing.
 FIELDS = {
     "header": ("loss", "grad_norm", "lr", "loss_scale", "skipped", "iterations"),
     "input": ("nan", "inf", "min", "max"),
@@ -51,6 +50,13 @@ class Entry:
     def size(self) -> int:
         return len(self.fields)
 
+    def index(self, field: str) -> int:
+        """The vector position of ``field`` of this entry."""
+        try:
+            return self.offset + FIELDS[self.kind].index(field)
+        except ValueError:
+            raise KeyError(f"a {self.kind!r} entry has no field {field!r}") from None
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -70,6 +76,14 @@ class Schema:
 
     def header(self) -> Entry:
         return self.entries[0]
+
+    def header_index(self, field: str) -> int:
+        """The vector position of a header field (``"loss"``, ``"skipped"``, ...)."""
+        return self.header().index(field)
+
+    def indices(self, entries: Iterable[Entry], field: str) -> list[int]:
+        """The vector positions of ``field`` in each of ``entries``."""
+        return [entry.index(field) for entry in entries]
 
     def find(self, phase: str | None = None, kind: str | None = None) -> list[Entry]:
         return [
