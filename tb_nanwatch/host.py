@@ -23,9 +23,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_nanwatch import bundle, diagnosis
+from tb_nanwatch import bundle
 from tb_nanwatch.event_writer import RunWriter
-from tb_nanwatch.journal import RunJournal
+from tb_nanwatch.journal import JournalSettings, RunJournal
 from tb_nanwatch.recorder import PRE_STEP_WEIGHTS, StepRecorder
 
 ON_NONFINITE = ("stop", "raise", "continue")
@@ -199,12 +199,14 @@ class WatchHost:
             self.log_dir,
             self.recorder.schema,
             info,
-            window=o.window,
-            snapshot_every=o.snapshot_every,
-            max_consecutive_skips=o.max_consecutive_skips,
-            min_loss_scale=o.min_loss_scale,
-            flush_secs=o.flush_secs,
-            explosion=diagnosis.ExplosionDetector(factor=o.explosion_factor),
+            JournalSettings(
+                window=o.window,
+                snapshot_every=o.snapshot_every,
+                max_consecutive_skips=o.max_consecutive_skips,
+                min_loss_scale=o.min_loss_scale,
+                flush_secs=o.flush_secs,
+                explosion_factor=o.explosion_factor,
+            ),
             writer=RunWriter(self.log_dir),
         )
 

@@ -9,6 +9,7 @@ the synthetic-run generator of the benchmark.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -58,6 +59,18 @@ def _ranges(steps: list[int]) -> list[list[int]]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class JournalSettings:
+    """How a :class:`RunJournal` keeps its record (the watcher's options)."""
+
+    window: int = 32
+    snapshot_every: int = 1000
+    max_consecutive_skips: int = 20
+    min_loss_scale: float = 0.0
+    flush_secs: float = 10.0
+    explosion_factor: float = 1e3
+
+
 class RunJournal:
     """Receives per-step stats vectors and keeps the run's record on disk."""
 
@@ -66,25 +79,20 @@ class RunJournal:
         log_dir: str,
         schema: Schema,
         run_info: dict,
-        *,
-        window: int = 32,
-        snapshot_every: int = 1000,
-        max_consecutive_skips: int = 20,
-        flush_secs: float = 10.0,
-        explosion: diagnosis.ExplosionDetector | None = None,
+        settings: JournalSettings | None = None,
         writer: RunWriter | None = None,
-        min_loss_scale: float = 0.0,
     ) -> None:
+        settings = settings or JournalSettings()
         self.schema = schema
         self.run_info = dict(run_info)
-        self.window = window
-        self.snapshot_every = snapshot_every
-        self.max_consecutive_skips = max_consecutive_skips
+        self.window = settings.window
+        self.snapshot_every = settings.snapshot_every
+        self.max_consecutive_skips = settings.max_consecutive_skips
         # A step skipped by the loss scaler whose scale fell below this floor
         # is an incident: float16 cannot hold even the unscaled gradients.
-        self.min_loss_scale = float(min_loss_scale)
-        self.flush_secs = flush_secs
-        self.explosion = explosion or diagnosis.ExplosionDetector()
+        self.min_loss_scale = float(settings.min_loss_scale)
+        self.flush_secs = settings.flush_secs
+        self.explosion = diagnosis.ExplosionDetector(factor=settings.explosion_factor)
         self.writer = writer or RunWriter(log_dir)
 
         header = schema.header()
@@ -98,8 +106,8 @@ class RunJournal:
         self._logit_max_index = self._logit_min_index + 1
         self._chunk_rows: list[np.ndarray] = []
         self._chunk_start = 0
-        self._ring = np.zeros((max(window, 1), schema.size), np.float32)
-        self._ring_steps = np.full(max(window, 1), -1, np.int64)
+        self._ring = np.zeros((max(self.window, 1), schema.size), np.float32)
+        self._ring_steps = np.full(max(self.window, 1), -1, np.int64)
         self.steps = 0
         self.first_nonfinite: dict | None = None
         self.explosion_onset: dict | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tb_nanwatch.journal import RunJournal
+from tb_nanwatch.journal import JournalSettings, RunJournal
 from tb_nanwatch.schema import Schema
 
 
@@ -54,8 +54,7 @@ def write_synthetic_run(
         log_dir,
         schema,
         {"model": "synthetic", "layers": layer_names, "framework": "synthetic"},
-        snapshot_every=snapshot_every,
-        flush_secs=1e9,
+        JournalSettings(snapshot_every=snapshot_every, flush_secs=1e9),
     )
     header = schema.header().offset
     activations = schema.find(kind="activation")

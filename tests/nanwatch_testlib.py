@@ -25,7 +25,7 @@ from tensorboard.plugins import base_plugin
 from werkzeug import test as werkzeug_test
 
 from tb_nanwatch import metadata
-from tb_nanwatch.journal import RunJournal
+from tb_nanwatch.journal import JournalSettings, RunJournal
 from tb_nanwatch.plugin import NanWatchPlugin
 from tb_nanwatch.schema import Schema
 from tb_nanwatch.synthetic import build_schema, write_synthetic_run
@@ -71,7 +71,7 @@ def write_fast_series_run(log_dir: str, steps: int, num_layers: int = 4) -> dict
     """A long healthy run written chunk by chunk (the journal's own format),
     much faster than recording step by step."""
     schema = build_schema(num_layers)
-    journal = RunJournal(log_dir, schema, {"model": "fast"}, flush_secs=1e9)
+    journal = RunJournal(log_dir, schema, {"model": "fast"}, JournalSettings(flush_secs=1e9))
     width = len(journal.series_columns)
     rng = np.random.default_rng(0)
     for start in range(0, steps, metadata.CHUNK_STEPS):
@@ -113,7 +113,9 @@ def write_vector_run(
     """Records ``steps`` steps through the real journal; ``edit(step, vector,
     schema)`` may change each vector. Stops at the first incident."""
     schema = build_schema(num_layers)
-    journal = RunJournal(log_dir, schema, {"model": "vectors"}, flush_secs=1e9, **journal_kwargs)
+    journal = RunJournal(
+        log_dir, schema, {"model": "vectors"}, JournalSettings(flush_secs=1e9, **journal_kwargs)
+    )
     status = "finished"
     for step in range(steps):
         vector = base_vector(schema, step)

@@ -20,7 +20,7 @@ import pytest
 from nanwatch_testlib import CTX, multiplexer_provider
 
 from tb_nanwatch import crash_safety, reader
-from tb_nanwatch.journal import RunJournal
+from tb_nanwatch.journal import JournalSettings, RunJournal
 from tb_nanwatch.synthetic import build_schema
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -256,7 +256,9 @@ def _vector(schema, loss=1.0):
 
 def test_background_flusher_writes_idle_steps(tmp_path):
     schema = build_schema(2)
-    journal = RunJournal(str(tmp_path / "run"), schema, {"model": "m"}, flush_secs=0.1)
+    journal = RunJournal(
+        str(tmp_path / "run"), schema, {"model": "m"}, JournalSettings(flush_secs=0.1)
+    )
     try:
         assert journal in crash_safety.open_journals()
         for step in range(5):
@@ -275,7 +277,9 @@ def test_background_flusher_writes_idle_steps(tmp_path):
 
 def test_flush_due_skips_clean_and_busy_journals(tmp_path):
     schema = build_schema(2)
-    journal = RunJournal(str(tmp_path / "run"), schema, {"model": "m"}, flush_secs=1e9)
+    journal = RunJournal(
+        str(tmp_path / "run"), schema, {"model": "m"}, JournalSettings(flush_secs=1e9)
+    )
     try:
         journal.record(0, 0, 0, _vector(schema))
         assert journal.dirty
@@ -297,7 +301,9 @@ def test_flush_due_skips_clean_and_busy_journals(tmp_path):
 
 def test_sigterm_handler_chains_to_previous_handler(tmp_path, monkeypatch):
     schema = build_schema(2)
-    journal = RunJournal(str(tmp_path / "run"), schema, {"model": "m"}, flush_secs=1e9)
+    journal = RunJournal(
+        str(tmp_path / "run"), schema, {"model": "m"}, JournalSettings(flush_secs=1e9)
+    )
     journal.record(0, 0, 0, _vector(schema))
     calls = []
     monkeypatch.setattr(crash_safety, "_previous_sigterm", lambda *a: calls.append(a))

@@ -35,7 +35,7 @@ from tensorboard.summary.writer.record_writer import masked_crc32c
 
 from tb_nanwatch import cli, metadata
 from tb_nanwatch.event_writer import RunWriter
-from tb_nanwatch.journal import RunJournal
+from tb_nanwatch.journal import JournalSettings, RunJournal
 from tb_nanwatch.report import load_provider
 from tb_nanwatch.synthetic import build_schema, write_synthetic_run
 
@@ -130,7 +130,9 @@ def frame(payload: bytes) -> bytes:
 def write_flushed_run(run_dir: str, steps=400, incident_step=300, flush_every=50) -> dict:
     """A run flushed every ``flush_every`` steps (a summary per flush)."""
     schema = build_schema(3)
-    journal = RunJournal(run_dir, schema, {"model": "flushed"}, flush_secs=1e9, snapshot_every=100)
+    journal = RunJournal(
+        run_dir, schema, {"model": "flushed"}, JournalSettings(flush_secs=1e9, snapshot_every=100)
+    )
     header = schema.header().offset
     activation = schema.find(kind="activation")[1]
     for step in range(steps):
@@ -417,12 +419,12 @@ WRITER = r"""
 import os, sys, time, types
 sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
 import numpy as np
-from tb_nanwatch.journal import RunJournal
+from tb_nanwatch.journal import JournalSettings, RunJournal
 from tb_nanwatch.synthetic import build_schema
 
 logdir, tag = sys.argv[1], sys.argv[2]
 schema = build_schema(3)
-journals = [RunJournal(os.path.join(logdir, name), schema, {"model": tag}, flush_secs=0.05)
+journals = [RunJournal(os.path.join(logdir, name), schema, {"model": tag}, JournalSettings(flush_secs=0.05))
             for name in (f"{tag}_0", f"{tag}_1", "shared")]
 header = schema.header().offset
 for step in range(1500):
