@@ -1,175 +1,21 @@
 /**
- * Timeline view (uPlot): loss, global gradient norm and logit min/max per step.
+ * Timeline view of one run: loss, global gradient norm and logit min/max per
+ * step. Wires the data/zoom controller (timeline_data.js) to the drawing
+ * (timeline_plot.js) and owns the toolbar, the key and the user's gestures.
  *
- * Y axes. Both axes use uPlot's arcsinh distribution (distr 4), a symlog:
- * linear within ±threshold and logarithmic beyond, so it shows values that
- * span many decades (a loss of 0.05 and an exploding 1e30 gradient norm) and
- * still accepts zero and negative values, which a log axis cannot.
- *  - left axis "magnitude": loss and gradient norm; the linear threshold is the
- *    power of ten just below their smallest positive value in the run, so the
- *    axis behaves like a log axis for these positive series.
- *  - right axis "logits": logit min and max; logit min is usually negative,
- *    so this axis uses arcsinh with threshold 1 (linear in [-1, 1]).
- *
- * Non-finite values are not gaps: each is drawn as a mark at the plot's edge,
- * in its series' colour: ▲ at the top for +Inf, ▼ at the bottom for -Inf and
- * a ◆ at the top for NaN. Red line: first non-finite step; orange dashed
- * line: explosion onset; grey bands: steps skipped by the loss scaler; blue
- * line: the selected step.
- *
+ * Red line: first non-finite step; orange dashed line: explosion onset; grey
+ * bands: steps skipped by the loss scaler; blue line: the selected step.
  * Zoom by dragging, pan with shift+drag or the arrow buttons, reset with a
- * double-click or the button. Every zoom re-fetches the visible range from
- * the server, so a zoomed view of at most 4000 steps is exact (bucket 1).
- * Timelines created with the same `syncKey` (runs side by side) share the
- * hover cursor and zoom/pan/reset together.
+ * double-click or the button. Timelines created with the same `syncKey`
+ * (runs side by side) share the hover cursor and zoom/pan/reset together.
  */
 import uPlot from "uplot";
-import { fetchTimeline } from "./api.js";
 import { el, clear } from "./dom.js";
-import { fmt, nonFiniteKind } from "./format.js";
+import { createTimelineData, stepOfPoint } from "./timeline_data.js";
+import { HEIGHT, createPlot, magnitudeThreshold, toPlotData } from "./timeline_plot.js";
 
-const MAX_POINTS = 4000;
-const HEIGHT = 280;
 /** Timelines sharing a sync key zoom and pan together: syncKey -> Set of members. */
 const GROUPS = new Map();
-
-const COLORS = { nan: "#d000d0", marker: "#d62728", explosion: "#ff7f0e", selected: "#1565c0" };
-
-/** The plotted series: column name, label, scale and colour. */
-export const SERIES = [
-  { column: "loss", label: "loss", scale: "mag", stroke: "#1f77b4" },
-  { column: "grad_norm", label: "grad norm", scale: "mag", stroke: "#e6550d" },
-  { column: "logit_max", label: "logit max", scale: "logit", stroke: "#2ca02c" },
-  { column: "logit_min", label: "logit min", scale: "logit", stroke: "#8c564b" },
-];
-
-/**
- * Linear threshold of the magnitude axis: the power of ten at or below the
- * smallest positive finite value (clamped to [1e-12, 1]).
- * @param {Array<Array<number|null>>} columns Value arrays.
- * @returns {number} The threshold.
- */
-export function magnitudeThreshold(columns) {
-  let smallest = Infinity;
-  for (const col of columns) {
-    for (const v of col || []) {
-      const a = typeof v === "number" ? Math.abs(v) : NaN;
-      if (Number.isFinite(a) && a > 0 && a < smallest) smallest = a;
-    }
-  }
-  if (!Number.isFinite(smallest)) return 1;
-  return Math.min(1, Math.max(1e-12, 10 ** Math.floor(Math.log10(smallest))));
-}
-
-/**
- * Converts a `timeline` response into uPlot's aligned data; non-finite values
- * become null (drawn as edge marks instead of line points).
- * @param {Object} tl The `timeline` response.
- * @returns {Array<Array<number|null>>} [steps, ...series values].
- */
-export function toPlotData(tl) {
-  const n = tl.steps.length;
-  const out = [tl.steps.slice()];
-  for (const s of SERIES) {
-    const col = tl.columns[s.column] || new Array(n).fill(null);
-    out.push(col.map((v) => (typeof v === "number" && Number.isFinite(v) ? v : null)));
-  }
-  return out;
-}
-
-/**
- * Tick positions for an arcsinh axis: 0 and ±powers of ten, thinned to at
- * most `maxTicks` so labels never overlap.
- * @param {number} min Scale minimum.
- * @param {number} max Scale maximum.
- * @param {number} threshold Linear threshold of the scale.
- * @param {number} [maxTicks] Maximum number of ticks.
- * @returns {number[]} Tick values, ascending.
- */
-export function symlogTicks(min, max, threshold, maxTicks = 7) {
-  if (!Number.isFinite(min) || !Number.isFinite(max) || max <= min) return [];
-  const lo = Math.floor(Math.log10(threshold));
-  const decadesOf = (a, b) => {
-    const out = [];
-    if (!(b > 0)) return out;
-    const k0 = Math.max(lo, Math.floor(Math.log10(Math.max(a, threshold))));
-    for (let k = k0; k <= Math.ceil(Math.log10(b)); k++) out.push(k);
-    return out;
-  };
-  const pos = decadesOf(Math.max(min, 0), max);
-  const neg = decadesOf(Math.max(-max, 0), -min);
-  const count = pos.length + neg.length + 1;
-  const every = Math.max(1, Math.ceil(count / maxTicks));
-  const keep = (ks) => ks.filter((k) => k % every === 0);
-  const ticks = [
-    ...keep(neg).map((k) => -(10 ** k)).reverse(),
-    0,
-    ...keep(pos).map((k) => 10 ** k),
-  ];
-  return ticks.filter((t) => t >= min && t <= max);
-}
-
-/**
- * Short tick label: "0", "0.01", "1", "1e20", "-1e5".
- * @param {number} t Tick value.
- * @returns {string} Label.
- */
-export function tickLabel(t) {
-  if (t === null || t === undefined) return "";
-  const a = Math.abs(t);
-  if (a === 0) return "0";
-  if (a >= 1e4 || a < 1e-2) return t.toExponential(0).replace("e+", "e");
-  return String(Number(t.toPrecision(2)));
-}
-
-function drawMark(ctx, kind, x, y, r) {
-  ctx.beginPath();
-  if (kind === "posinf") {
-    ctx.moveTo(x, y - r);
-    ctx.lineTo(x + r, y + r);
-    ctx.lineTo(x - r, y + r);
-  } else if (kind === "neginf") {
-    ctx.moveTo(x, y + r);
-    ctx.lineTo(x + r, y - r);
-    ctx.lineTo(x - r, y - r);
-  } else {
-    ctx.moveTo(x, y - r);
-    ctx.lineTo(x + r, y);
-    ctx.lineTo(x, y + r);
-    ctx.lineTo(x - r, y);
-  }
-  ctx.closePath();
-  ctx.fill();
-  ctx.stroke();
-}
-
-function vline(u, step, color, dash, label, row = 0) {
-  const x = u.valToPos(step, "x", true);
-  const { top, left, width, height } = u.bbox;
-  if (!(x >= left && x <= left + width)) return;
-  const ctx = u.ctx;
-  const dpr = uPlot.pxRatio;
-  ctx.save();
-  ctx.strokeStyle = color;
-  ctx.lineWidth = 2 * dpr;
-  ctx.setLineDash(dash.map((d) => d * dpr));
-  ctx.beginPath();
-  ctx.moveTo(x, top);
-  ctx.lineTo(x, top + height);
-  ctx.stroke();
-  if (label) {
-    ctx.setLineDash([]);
-    ctx.font = `${11 * dpr}px sans-serif`;
-    const w = ctx.measureText(label).width;
-    const tx = x + 4 * dpr + w > left + width ? x - 4 * dpr - w : x + 4 * dpr;
-    const ty = top + (40 + 15 * row) * dpr;
-    ctx.fillStyle = "rgba(255, 255, 255, 0.85)";
-    ctx.fillRect(tx - 2 * dpr, ty - 11 * dpr, w + 4 * dpr, 14 * dpr);
-    ctx.fillStyle = color;
-    ctx.fillText(label, tx, ty);
-  }
-  ctx.restore();
-}
 
 /**
  * Creates the timeline of one run.
@@ -205,18 +51,26 @@ export function createTimeline(container, opts) {
   container.append(toolbar, chartBox, keyText);
 
   let u = null;
-  let tl = null; // current timeline response (raw, with non-finite numbers)
-  let full = null; // the whole-run response
   let selectedStep = null;
-  let requested = null; // {start, end} of the last request
-  let controller = null;
-  let refetchTimer = 0;
-  let seq = 0;
   let panning = null;
   let downX = null;
   const resizeObserver = typeof ResizeObserver === "function" ? new ResizeObserver(() => resize()) : null;
 
+  const data = createTimelineData(run, {
+    onState(state, message) {
+      container.dataset.state = state;
+      if (message) info.textContent = message;
+    },
+    onRange(tl, { min, max }) {
+      if (!u) return;
+      u.setData(toPlotData(tl), false);
+      u.setScale("x", { min, max });
+      setInfo();
+    },
+  });
+
   function setInfo() {
+    const tl = data.current;
     if (!tl) return;
     container.dataset.bucket = String(tl.bucket);
     container.dataset.start = String(tl.start);
@@ -231,112 +85,6 @@ export function createTimeline(container, opts) {
     container.dataset.viewStart = String(a);
     container.dataset.viewEnd = String(b + 1);
     info.textContent = `steps ${a}–${b} of ${tl.total_steps} · ${exact}`;
-  }
-
-  function rawValue(sidx, idx) {
-    if (!tl || idx == null) return null;
-    const col = tl.columns[SERIES[sidx - 1].column];
-    return col ? col[idx] : null;
-  }
-
-  function drawSkipped(plot) {
-    if (!tl || !tl.skipped_ranges) return;
-    const { top, left, width, height } = plot.bbox;
-    const ctx = plot.ctx;
-    ctx.save();
-    ctx.fillStyle = "rgba(120, 120, 120, 0.22)";
-    for (const [a, b] of tl.skipped_ranges) {
-      let x0 = plot.valToPos(a, "x", true);
-      let x1 = plot.valToPos(b + 1, "x", true);
-      x0 = Math.max(left, x0);
-      x1 = Math.min(left + width, Math.max(x1, x0 + uPlot.pxRatio));
-      if (x1 > x0) ctx.fillRect(x0, top, x1 - x0, height);
-    }
-    ctx.restore();
-  }
-
-  function drawOverlays(plot) {
-    if (!tl) return;
-    const dpr = uPlot.pxRatio;
-    const ctx = plot.ctx;
-    const { top, height } = plot.bbox;
-    const r = 4.5 * dpr;
-    const [i0, i1] = [0, tl.steps.length - 1];
-    ctx.save();
-    ctx.lineWidth = 1 * dpr;
-    for (let s = 0; s < SERIES.length; s++) {
-      const col = tl.columns[SERIES[s].column];
-      if (!col || !plot.series[s + 1].show) continue;
-      ctx.fillStyle = SERIES[s].stroke;
-      for (let i = i0; i <= i1; i++) {
-        const kind = nonFiniteKind(col[i]);
-        if (!kind) continue;
-        const x = plot.valToPos(tl.steps[i], "x", true);
-        if (x < plot.bbox.left - r || x > plot.bbox.left + plot.bbox.width + r) continue;
-        const y = kind === "neginf" ? top + height - r - 1 : top + r + 1 + (kind === "nan" ? 2 * r + 2 : 0);
-        ctx.strokeStyle = kind === "nan" ? COLORS.nan : "#000";
-        drawMark(ctx, kind, x, y, r);
-      }
-    }
-    ctx.restore();
-    if (tl.first_nonfinite) vline(plot, tl.first_nonfinite.step, COLORS.marker, [], `first non-finite: step ${tl.first_nonfinite.step}`);
-    if (tl.explosion) vline(plot, tl.explosion.step, COLORS.explosion, [6, 4], `explosion: step ${tl.explosion.step}`, 1);
-    if (selectedStep !== null) vline(plot, selectedStep, COLORS.selected, [2, 3], null);
-    // Exposed for tests: how many series have a drawn path.
-    container.dataset.seriesDrawn = String(plot.series.slice(1).filter((s) => s._paths).length);
-  }
-
-  function stepFromEvent() {
-    if (!u || !tl || u.cursor.idx == null) return null;
-    let step = tl.steps[u.cursor.idx];
-    if (tl.bucket > 1) {
-      const inBucket = (tl.recorded_steps || []).filter((s) => s >= step && s < step + tl.bucket);
-      if (inBucket.length) step = inBucket[0];
-    }
-    return step;
-  }
-
-  function scheduleRefetch() {
-    clearTimeout(refetchTimer);
-    refetchTimer = setTimeout(refetchVisible, 150);
-  }
-
-  async function fetchRange(range) {
-    controller?.abort();
-    controller = new AbortController();
-    const mine = ++seq;
-    container.dataset.state = "loading";
-    try {
-      const data = await fetchTimeline(run, { ...range, maxPoints: MAX_POINTS }, controller.signal);
-      if (mine !== seq) return null;
-      return data;
-    } catch (err) {
-      if (err.name === "AbortError") return null;
-      container.dataset.state = "error";
-      info.textContent = `Could not load the timeline: ${err.message}`;
-      return null;
-    }
-  }
-
-  async function refetchVisible() {
-    if (!u || !tl) return;
-    const min = u.scales.x.min;
-    const max = u.scales.x.max;
-    const start = Math.max(0, Math.floor(min));
-    const end = Math.min(tl.total_steps, Math.floor(max) + 1);
-    if (end <= start) return;
-    const last = tl.steps.length - 1;
-    if (tl === full && (last < 0 || (min <= tl.steps[0] && max >= tl.steps[last]))) return; // whole run shown
-    if (requested && requested.start === start && requested.end === end) return;
-    if (tl.bucket === 1 && tl.start <= start && end <= tl.end) return; // already exact
-    requested = { start, end };
-    const data = await fetchRange({ start, end });
-    if (!data || !u) return;
-    tl = data;
-    u.setData(toPlotData(tl), false);
-    u.setScale("x", { min, max });
-    container.dataset.state = "ready";
-    setInfo();
   }
 
   const member = {
@@ -360,14 +108,9 @@ export function createTimeline(container, opts) {
 
   async function resetZoom(propagate = true) {
     if (propagate) for (const other of group) if (other !== member) other.reset();
-    requested = null;
-    clearTimeout(refetchTimer);
+    const full = data.reset();
     if (!full) return;
-    tl = full;
-    seq++;
-    controller?.abort();
-    u.setData(toPlotData(tl), true);
-    container.dataset.state = "ready";
+    u.setData(toPlotData(full), true);
     setInfo();
   }
 
@@ -375,104 +118,38 @@ export function createTimeline(container, opts) {
     if (!u) return;
     const { min, max } = u.scales.x;
     const span = max - min;
-    const total = tl.total_steps;
+    const total = data.current.total_steps;
     let nmin = min + span * fraction;
     nmin = Math.max(0, Math.min(nmin, total - 1 - span));
     userSetRange(nmin, nmin + span);
   }
 
   function makePlot(width) {
-    const threshold = magnitudeThreshold([full.columns.loss, full.columns.grad_norm]);
-    const series = [
-      {
-        label: "step",
-        value: (self, v, sidx, idx) => {
-          if (v == null || !tl) return "–";
-          return tl.bucket > 1 ? `${v}–${v + tl.bucket - 1}` : String(v);
-        },
-      },
-      ...SERIES.map((s) => ({
-        label: s.label,
-        scale: s.scale,
-        stroke: s.stroke,
-        width: 1.5,
-        spanGaps: false,
-        value: (self, v, sidx, idx) => fmt(rawValue(sidx, idx)),
-      })),
-    ];
-    const plotOpts = {
+    const full = data.full;
+    return createPlot(chartBox, {
       width,
-      height: HEIGHT,
-      series,
-      scales: {
-        x: { time: false },
-        mag: { distr: 4, asinh: threshold },
-        logit: { distr: 4, asinh: 1 },
+      threshold: magnitudeThreshold([full.columns.loss, full.columns.grad_norm]),
+      syncKey,
+      getData: () => data.current,
+      getSelectedStep: () => selectedStep,
+      onMouseDown(e, self) {
+        downX = e.clientX;
+        if (!e.shiftKey) return false;
+        panning = { x: e.clientX, min: self.scales.x.min, max: self.scales.x.max };
+        return true;
       },
-      axes: [
-        { label: "step", size: 40 },
-        {
-          scale: "mag",
-          label: "loss, grad norm (symlog)",
-          splits: (self, i, min, max) => symlogTicks(min, max, threshold),
-          filter: (self, splits) => splits,
-          values: (self, ticks) => ticks.map(tickLabel),
-          size: 56,
-        },
-        {
-          scale: "logit",
-          side: 1,
-          label: "logits (symlog)",
-          grid: { show: false },
-          splits: (self, i, min, max) => symlogTicks(min, max, 1),
-          filter: (self, splits) => splits,
-          values: (self, ticks) => ticks.map(tickLabel),
-          size: 56,
-        },
-      ],
-      cursor: {
-        drag: { x: true, y: false, setScale: false },
-        // Hover only: zoom and pan are shared through userSetRange.
-        sync: syncKey ? { key: syncKey, filters: { pub: (type) => !["mousedown", "mouseup", "dblclick"].includes(type) } } : undefined,
-        bind: {
-          mousedown: (self, targ, handler) => (e) => {
-            downX = e.clientX;
-            if (e.shiftKey) {
-              panning = { x: e.clientX, min: self.scales.x.min, max: self.scales.x.max };
-              return null;
-            }
-            return handler(e);
-          },
-          dblclick: () => () => {
-            resetZoom();
-            return null;
-          },
-        },
+      onDoubleClick: () => resetZoom(),
+      onScaleX() {
+        if (!u) return;
+        setInfo();
+        data.showRange(u.scales.x.min, u.scales.x.max);
       },
-      legend: { live: true },
-      hooks: {
-        drawClear: [drawSkipped],
-        draw: [drawOverlays],
-        setScale: [
-          (self, key) => {
-            if (key !== "x" || !full) return;
-            setInfo();
-            scheduleRefetch();
-          },
-        ],
-        setSelect: [
-          (self) => {
-            const { left, width } = self.select;
-            if (width < 4) return;
-            const min = self.posToVal(left, "x");
-            const max = self.posToVal(left + width, "x");
-            self.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
-            userSetRange(min, max);
-          },
-        ],
+      onSelectRange: userSetRange,
+      onDrawn(count) {
+        // Exposed for tests: how many series have a drawn path.
+        container.dataset.seriesDrawn = String(count);
       },
-    };
-    return new uPlot(plotOpts, toPlotData(tl), chartBox);
+    });
   }
 
   function onMouseMove(e) {
@@ -490,9 +167,9 @@ export function createTimeline(container, opts) {
     if (!u || downX === null) return;
     const moved = Math.abs(e.clientX - downX);
     downX = null;
-    if (moved < 4 && e.target && u.over.contains(e.target)) {
-      const step = stepFromEvent();
-      if (step !== null && onStepClick) onStepClick(step);
+    if (moved < 4 && e.target && u.over.contains(e.target) && u.cursor.idx != null && data.current) {
+      const step = stepOfPoint(data.current, u.cursor.idx);
+      if (onStepClick) onStepClick(step);
     }
   }
 
@@ -510,15 +187,15 @@ export function createTimeline(container, opts) {
 
   return {
     async load() {
-      const data = await fetchRange({});
-      if (!data) return null;
-      full = tl = data;
+      const full = await data.load();
+      if (!full) return null;
       u?.destroy();
+      u = null; // the new plot's first setScale must not see the old one
       u = makePlot(Math.max(300, chartBox.clientWidth || 600));
       resizeObserver?.observe(chartBox);
       container.dataset.state = "ready";
       setInfo();
-      return data;
+      return full;
     },
     setSelectedStep(step) {
       selectedStep = step;
@@ -529,8 +206,7 @@ export function createTimeline(container, opts) {
       userSetRange(start, end);
     },
     destroy() {
-      clearTimeout(refetchTimer);
-      controller?.abort();
+      data.destroy();
       resizeObserver?.disconnect();
       group.delete(member);
       if (syncKey && !group.size) GROUPS.delete(syncKey);
@@ -540,7 +216,7 @@ export function createTimeline(container, opts) {
       u = null;
     },
     get data() {
-      return tl;
+      return data.current;
     },
     get plot() {
       return u;
