@@ -86,7 +86,7 @@ def _get_json(url: str):
     return json.loads(body)
 
 
-def tensorboard(logdir: Path, tmp: Path, path_prefix: str = "", want_runs: int = 1):
+def tensorboard(logdir: Path, tmp: Path, path_prefix: str = "", want_runs: int = 1, extra_args=()):
     """Runs TensorBoard until the nanwatch `runs` route lists `want_runs` runs; yields its base URL."""
 
     def ready(base: str) -> bool:
@@ -96,7 +96,7 @@ def tensorboard(logdir: Path, tmp: Path, path_prefix: str = "", want_runs: int =
         logdir,
         tmp / "tensorboard.log",
         ready,
-        extra_args=("--load_fast=false",),
+        extra_args=("--load_fast=false", *extra_args),
         path_prefix=path_prefix,
         timeout=90,
     )
@@ -116,8 +116,10 @@ def browser():
 class Watched:
     """A page with its console errors, page errors and dialogs recorded."""
 
-    def __init__(self, browser):
-        self.page = browser.new_page(viewport={"width": 1600, "height": 1300})
+    def __init__(self, browser, width: int = 1600, height: int = 1300):
+        self.page = browser.new_page(
+            viewport={"width": width, "height": height}, accept_downloads=True
+        )
         self.errors: list[str] = []
         self.dialogs: list[str] = []
         self.page.on("console", self._on_console)

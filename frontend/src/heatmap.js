@@ -11,12 +11,15 @@
  */
 import { el, clear } from "./dom.js";
 import { fmt, truncateLeft } from "./format.js";
+import { cssColor } from "./theme.js";
 
 const MAX_CELL_W = 22;
 const MIN_CELL_W = 6;
 const CELL_H = 16;
 const NONFINITE_COLOR = "#ff00ff";
-const MISSING_COLOR = "#e0e0e0";
+/** Pixels per character of a column label (10 px digits) and the gap between labels. */
+const LABEL_CHAR_W = 6.5;
+const LABEL_GAP = 8;
 /** Viridis-like stops, low to high. */
 const STOPS = [
   [68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37],
@@ -25,6 +28,34 @@ const METRICS = [
   { key: "forward_max_abs", label: "forward max |x|" },
   { key: "grad_norm", label: "gradient norm" },
 ];
+
+/**
+ * The metric the heatmap opens on: the one of the incident's phase (a
+ * backward incident is seen in the gradient norms).
+ * @param {Object|null} origin The heatmap's origin.
+ * @returns {string} A METRICS key.
+ */
+export function initialMetric(origin) {
+  return origin && origin.phase === "backward" ? "grad_norm" : "forward_max_abs";
+}
+
+/**
+ * Which columns get a step label: the origin's, then every `every`-th column
+ * far enough from the labels kept before, so that no two labels overlap.
+ * @param {number[]} steps Steps of the columns.
+ * @param {number} cellW Column width in pixels.
+ * @param {number} originCol The origin's column, -1 when none.
+ * @returns {number[]} Column indices, ascending.
+ */
+export function labelledColumns(steps, cellW, originCol) {
+  const labelW = Math.max(...steps.map((s) => String(s).length)) * LABEL_CHAR_W + LABEL_GAP;
+  const every = Math.max(1, Math.ceil(labelW / cellW));
+  const kept = originCol >= 0 ? [originCol] : [];
+  for (let c = 0; c < steps.length; c += every) {
+    if (kept.every((k) => Math.abs(k - c) * cellW >= labelW)) kept.push(c);
+  }
+  return kept.sort((a, b) => a - b);
+}
 
 /**
  * Colour for t in [0, 1] on the viridis-like scale.
@@ -64,19 +95,20 @@ export function logRange(matrix) {
  * @param {HTMLElement} container Element to render into.
  * @param {Object|null} heatmap The `heatmap` object of the `incident` route.
  * @param {{onStepClick?: (step: number) => void}} [opts] Options.
- * @returns {{setSelectedStep: (step: number|null) => void, setMetric: (key: string) => void}} Controller.
+ * @returns {{setSelectedStep: (step: number|null) => void, setMetric: (key: string) => void,
+ *            redraw: () => void}} Controller.
  */
 export function renderHeatmap(container, heatmap, opts = {}) {
   clear(container);
   container.classList.add("heatmap");
-  const noop = { setSelectedStep() {}, setMetric() {} };
+  const noop = { setSelectedStep() {}, setMetric() {}, redraw() {} };
   if (!heatmap || !heatmap.layers || !heatmap.layers.length || !heatmap.steps || !heatmap.steps.length) {
     container.dataset.state = "empty";
     container.append(el("p", { class: "muted", text: "No flight-recorder window: the run had no incident." }));
     return noop;
   }
   const { layers, steps, origin } = heatmap;
-  let metric = "forward_max_abs";
+  let metric = initialMetric(origin);
   let selectedStep = null;
   container.dataset.state = "ready";
   container.dataset.metric = metric;
@@ -131,11 +163,10 @@ export function renderHeatmap(container, heatmap, opts = {}) {
       }),
     );
   });
-  const every = Math.max(1, Math.ceil(40 / cellW));
   const colLabels = el("div", { class: "heatmap-cols" });
   colLabels.style.width = `${width}px`;
-  steps.forEach((step, c) => {
-    if (c % every !== 0 && c !== originCol) return;
+  for (const c of labelledColumns(steps, cellW, originCol)) {
+    const step = steps[c];
     const label = el("span", {
       class: c === originCol ? "heatmap-col-label origin" : "heatmap-col-label",
       text: String(step),
@@ -143,7 +174,7 @@ export function renderHeatmap(container, heatmap, opts = {}) {
     });
     label.style.left = `${c * cellW}px`;
     colLabels.append(label);
-  });
+  }
 
   const tooltip = el("div", { class: "heatmap-tooltip", data: { field: "hover" } });
   tooltip.hidden = true;
@@ -176,6 +207,7 @@ export function renderHeatmap(container, heatmap, opts = {}) {
     const ctx = canvas.getContext("2d");
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
     ctx.clearRect(0, 0, width, height);
+    const missing = cssColor("--missing");
     const matrix = heatmap[metric] || [];
     const range = logRange(matrix);
     const span = range && range.hi > range.lo ? range.hi - range.lo : 1;
@@ -184,7 +216,7 @@ export function renderHeatmap(container, heatmap, opts = {}) {
     for (let r = 0; r < layers.length; r++) {
       for (let c = 0; c < steps.length; c++) {
         const v = matrix[r] ? matrix[r][c] : null;
-        let color = MISSING_COLOR;
+        let color = missing;
         if (typeof v === "number" && !Number.isFinite(v)) color = NONFINITE_COLOR;
         else if (typeof v === "number") color = v > 0 && range ? colorAt((Math.log10(v) - range.lo) / span) : colorAt(0);
         ctx.fillStyle = color;
@@ -202,7 +234,7 @@ export function renderHeatmap(container, heatmap, opts = {}) {
     }
     const sc = selectedStep === null ? -1 : steps.indexOf(selectedStep);
     if (sc >= 0) {
-      ctx.strokeStyle = "#1565c0";
+      ctx.strokeStyle = cssColor("--accent");
       ctx.lineWidth = 2;
       ctx.strokeRect(sc * cellW + 1, 1, cellW - 3, height - 2);
     }
@@ -252,5 +284,6 @@ export function renderHeatmap(container, heatmap, opts = {}) {
       draw();
     },
     setMetric,
+    redraw: draw,
   };
 }

@@ -5,6 +5,7 @@
  */
 import { el, clear } from "./dom.js";
 import { fmt, kindLabel } from "./format.js";
+import { nearestSteps } from "./step_table.js";
 
 /** Appends the non-null nodes. */
 function append(container, ...nodes) {
@@ -49,17 +50,27 @@ function renderHints(hints) {
  * Renders the card for one run.
  * @param {HTMLElement} container Element to render into (gets data-state).
  * @param {Object} data The `incident` route response.
- * @param {{onStepClick?: (step: number) => void}} [opts] Options.
+ * @param {{onStepClick?: (step: number) => void, recorded?: number[]}} [opts]
+ *   `recorded`: the steps with a per-layer record; a step without one gets no
+ *   "Show layers" link but a line saying so, with a link to the nearest recorded step.
  */
 export function renderIncidentCard(container, data, opts = {}) {
   clear(container);
   container.classList.add("incident-card");
   const inc = data.incident;
   const exp = data.explosion;
-  const goto = (step) =>
-    opts.onStepClick
-      ? el("button", { class: "btn link", text: `Show layers at step ${step}`, data: { action: "show-step", step }, on: { click: () => opts.onStepClick(step) } })
-      : null;
+  const button = (step) =>
+    el("button", { class: "btn link", text: `Show layers at step ${step}`, data: { action: "show-step", step }, on: { click: () => opts.onStepClick(step) } });
+  const goto = (step) => {
+    if (!opts.onStepClick) return null;
+    const recorded = opts.recorded || [];
+    if (recorded.includes(step)) return button(step);
+    const [near] = nearestSteps(recorded, step, 1);
+    return el("p", { class: "card-note", data: { field: "no-record" } }, [
+      `Step ${step} has no per-layer record (only the flight-recorder window and periodic snapshots are kept)`,
+      ...(near === undefined ? ["."] : ["; nearest recorded: ", button(near)]),
+    ]);
+  };
 
   if (inc) {
     container.dataset.state = "nonfinite";

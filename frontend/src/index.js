@@ -6,7 +6,9 @@
 import { fetchRuns } from "./api.js";
 import { el, clear } from "./dom.js";
 import { createRunPanel } from "./run_panel.js";
-import { defaultSelection, renderRunSelector } from "./run_selector.js";
+import { createRunSelector, defaultSelection } from "./run_selector.js";
+import { onTensorBoardReload } from "./tensorboard_host.js";
+import { followTheme } from "./theme.js";
 
 function ensureStylesheet() {
   if (document.querySelector("link[data-nanwatch-style]")) return;
@@ -18,7 +20,10 @@ function ensureStylesheet() {
 }
 
 /**
- * Builds the whole page inside the plugin iframe's body.
+ * Builds the whole page inside the plugin iframe's body. Follows
+ * TensorBoard's dark mode, and reloads with TensorBoard (its reload button
+ * and auto-reload): the runs list is fetched again and each shown run whose
+ * entry changed (more steps, a new status or incident) is reloaded in place.
  * @returns {Promise<void>} Resolves when the run list is shown.
  */
 export async function render() {
@@ -36,11 +41,15 @@ export async function render() {
 
   let panels = [];
   let selection = null;
+  /** The `runs` entry each shown panel was loaded from, as JSON: run -> text. */
+  let loadedFrom = new Map();
+  let reloads = 0;
 
-  function showPanels(names) {
+  function showPanels(names, runs) {
     for (const p of panels) p.destroy();
     clear(panelsBox);
     panelsBox.dataset.count = String(names.length);
+    loadedFrom = new Map(runs.filter((r) => names.includes(r.run)).map((r) => [r.run, JSON.stringify(r)]));
     if (!names.length) {
       panelsBox.append(el("p", { class: "muted", text: "Select one or more runs." }));
       panels = [];
@@ -49,6 +58,28 @@ export async function render() {
     panels = names.map((name, i) => createRunPanel(name, { primary: i === 0, syncKey: "nanwatch" }));
     for (const p of panels) panelsBox.append(p.node);
   }
+
+  /** Reloads the shown panels whose run changed; rebuilds them when the selection changed. */
+  function updatePanels(names, runs) {
+    const shownBefore = panelsBox.dataset.count !== undefined;
+    const same = shownBefore && panels.length === names.length && names.every((n, i) => panels[i].run === n);
+    if (!same) {
+      showPanels(names, runs);
+      return;
+    }
+    for (const panel of panels) {
+      const entry = JSON.stringify(runs.find((r) => r.run === panel.run));
+      if (entry === loadedFrom.get(panel.run)) continue;
+      loadedFrom.set(panel.run, entry);
+      panel.refresh();
+    }
+  }
+
+  let latestRuns = [];
+  const selector = createRunSelector(selectorBox, (next) => {
+    selection = next;
+    showPanels(selection, latestRuns);
+  });
 
   async function load() {
     status.textContent = "Loading runs…";
@@ -61,17 +92,20 @@ export async function render() {
       root.dataset.state = "error";
       return;
     }
+    latestRuns = runs;
     const names = new Set(runs.map((r) => r.run));
     selection = selection ? selection.filter((n) => names.has(n)) : defaultSelection(runs);
-    renderRunSelector(selectorBox, runs, selection, (next) => {
-      selection = next;
-      showPanels(selection);
-    });
-    showPanels(selection);
+    selector.update(runs, selection);
+    updatePanels(selection, runs);
     status.textContent = `${runs.length} run${runs.length === 1 ? "" : "s"}`;
     root.dataset.state = "ready";
+    root.dataset.reloads = String(reloads++);
   }
 
+  followTheme(() => {
+    for (const p of panels) p.redraw();
+  });
+  onTensorBoardReload(() => load());
   reload.addEventListener("click", () => load());
   await load();
 }

@@ -14,7 +14,8 @@ import { createTimeline } from "./timeline.js";
  * @param {string} run Run name.
  * @param {{primary?: boolean, syncKey?: string}} [opts] `primary` gives the
  *   panel's parts stable ids (#incident-card, #timeline, #heatmap, #step-table).
- * @returns {{node: HTMLElement, ready: Promise<void>, destroy: () => void}} The panel.
+ * @returns {{run: string, node: HTMLElement, ready: Promise<void>, showStep: (step: number) => void,
+ *            refresh: () => Promise<void>, redraw: () => void, destroy: () => void}} The panel.
  */
 export function createRunPanel(run, opts = {}) {
   const id = (name) => (opts.primary ? { id: name } : {});
@@ -34,23 +35,34 @@ export function createRunPanel(run, opts = {}) {
     tableBox,
   ]);
 
-  let heatmap = { setSelectedStep() {} };
+  let heatmap = { setSelectedStep() {}, redraw() {} };
+  let incident = null; // the `incident` route's incident (null when none)
   let stepSeq = 0;
 
-  async function showStep(step) {
+  /**
+   * Shows the per-layer table of a step.
+   * @param {number} step The step.
+   * @param {{scroll?: boolean}} [how] `scroll`: bring the table into view.
+   */
+  async function showStep(step, how = {}) {
     const mine = ++stepSeq;
     timeline.setSelectedStep(step);
     heatmap.setSelectedStep(step);
+    const bringIntoView = () => how.scroll && tableBox.scrollIntoView({ block: "start" });
     const recorded = timeline.data ? timeline.data.recorded_steps || [] : null;
     // Ask only for recorded steps: an expected 404 would still log a console error.
     if (recorded && !recorded.includes(step)) {
       renderStepMissing(tableBox, step, recorded, showStep);
+      bringIntoView();
       return;
     }
     renderStepLoading(tableBox, step);
+    bringIntoView();
     try {
       const data = await fetchStep(run, step);
-      if (mine === stepSeq) renderStepTable(tableBox, data);
+      if (mine !== stepSeq) return;
+      renderStepTable(tableBox, data, incident);
+      bringIntoView();
     } catch (err) {
       if (mine !== stepSeq) return;
       if (err instanceof ApiError && err.status === 404) renderStepMissing(tableBox, step, recorded || [], showStep);
@@ -60,31 +72,48 @@ export function createRunPanel(run, opts = {}) {
 
   const timeline = createTimeline(timelineBox, { run, syncKey: opts.syncKey, onStepClick: showStep });
 
-  async function load() {
-    card.dataset.state = "loading";
-    card.append(el("p", { class: "muted", text: "Loading…" }));
-    const [incident] = await Promise.all([
-      fetchIncident(run).catch((err) => ({ error: err })),
-      timeline.load(),
-    ]);
-    if (incident.error) {
-      card.textContent = `Could not load the incident: ${incident.error.message}`;
+  function showIncident(data) {
+    incident = data.incident || null;
+    const recorded = timeline.data ? timeline.data.recorded_steps || [] : [];
+    renderIncidentCard(card, data, { recorded, onStepClick: (step) => showStep(step, { scroll: true }) });
+    heatmap = renderHeatmap(heatmapBox, data.heatmap, { onStepClick: showStep });
+  }
+
+  async function load(loadTimeline) {
+    const [data] = await Promise.all([fetchIncident(run).catch((err) => ({ error: err })), loadTimeline()]);
+    if (data.error) {
+      card.textContent = `Could not load the incident: ${data.error.message}`;
       card.dataset.state = "error";
       return;
     }
-    renderIncidentCard(card, incident, { onStepClick: showStep });
-    heatmap = renderHeatmap(heatmapBox, incident.heatmap, { onStepClick: showStep });
+    showIncident(data);
   }
 
-  const ready = load().catch((err) => {
+  card.dataset.state = "loading";
+  card.append(el("p", { class: "muted", text: "Loading…" }));
+  const failed = (err) => {
     card.textContent = `Could not load run: ${err.message}`;
     card.dataset.state = "error";
-  });
+  };
+  const ready = load(() => timeline.load()).catch(failed);
 
   return {
+    run,
     node,
     ready,
     showStep,
+    /** Loads the run again (it may have grown), keeping the zoom and the shown step. */
+    refresh() {
+      const step = tableBox.dataset.state === "ready" ? Number(tableBox.dataset.step) : null;
+      return load(() => timeline.refresh())
+        .then(() => step !== null && showStep(step))
+        .catch(failed);
+    },
+    /** Draws the canvases again (new theme colours). */
+    redraw() {
+      timeline.redraw();
+      heatmap.redraw();
+    },
     destroy() {
       timeline.destroy();
     },

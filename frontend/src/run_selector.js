@@ -39,38 +39,78 @@ export function defaultSelection(runs) {
 }
 
 /**
- * Renders the run selector.
- * @param {HTMLElement} container Where to render (emptied first).
- * @param {Array<Object>} runs Entries of the `runs` route.
- * @param {string[]} selected Currently selected run names.
- * @param {(selected: string[]) => void} onChange Called with the new selection.
+ * The run filter's test, like TensorBoard's run filter: a case-insensitive
+ * regular expression, or plain text while the expression is not valid.
+ * @param {string} text The filter box's text.
+ * @returns {{matches: (name: string) => boolean, valid: boolean}} Test and validity.
  */
-export function renderRunSelector(container, runs, selected, onChange) {
+export function runFilter(text) {
+  if (!text) return { matches: () => true, valid: true };
+  try {
+    const re = new RegExp(text, "i");
+    return { matches: (name) => re.test(name), valid: true };
+  } catch (_) {
+    const lower = text.toLowerCase();
+    return { matches: (name) => name.toLowerCase().includes(lower), valid: false };
+  }
+}
+
+/**
+ * Creates the run selector: a filter box (kept across updates) and the list.
+ * @param {HTMLElement} container Where to render (emptied first).
+ * @param {(selected: string[]) => void} onChange Called with the new selection.
+ * @returns {{update: (runs: Array<Object>, selected: string[]) => void}} Selector.
+ */
+export function createRunSelector(container, onChange) {
   clear(container);
-  container.append(el("h2", { text: "Runs" }));
-  if (!runs.length) {
-    container.append(el("p", { class: "muted", text: "No NaN Watch runs found in the log directory." }));
-    return;
-  }
-  const chosen = new Set(selected);
-  const list = el("ul", { class: "run-list" });
-  for (const run of runs) {
-    const status = runStatus(run);
-    const box = el("input", { attrs: { type: "checkbox", checked: chosen.has(run.run) } });
-    box.addEventListener("change", () => {
-      if (box.checked) chosen.add(run.run);
-      else chosen.delete(run.run);
-      onChange(runs.map((r) => r.run).filter((name) => chosen.has(name)));
-    });
-    list.append(
-      el("li", { class: `run-item state-${status.state}`, data: { run: run.run, state: status.state } }, [
-        el("label", {}, [
-          box,
-          el("span", { class: "run-name", text: run.run, title: run.run }),
+  const filterBox = el("input", {
+    class: "run-filter",
+    attrs: { type: "search", placeholder: "Filter runs (regex)", "aria-label": "Filter runs (regular expression)", spellcheck: "false" },
+    data: { field: "run-filter" },
+  });
+  const count = el("div", { class: "muted run-count", data: { field: "run-count" } });
+  const listBox = el("div", { class: "run-list-box" });
+  container.append(el("h2", { text: "Runs" }), filterBox, count, listBox);
+  let runs = [];
+  let chosen = new Set();
+
+  function renderList() {
+    clear(listBox);
+    if (!runs.length) {
+      count.textContent = "";
+      listBox.append(el("p", { class: "muted", text: "No NaN Watch runs found in the log directory." }));
+      return;
+    }
+    const filter = runFilter(filterBox.value);
+    filterBox.classList.toggle("invalid", !filter.valid);
+    filterBox.title = filter.valid ? "" : "Not a valid regular expression: matching it as plain text";
+    const shown = runs.filter((r) => filter.matches(r.run));
+    count.textContent = shown.length === runs.length ? `${runs.length} runs` : `${shown.length} of ${runs.length} runs match`;
+    const list = el("ul", { class: "run-list" });
+    for (const run of shown) {
+      const status = runStatus(run);
+      const box = el("input", { attrs: { type: "checkbox", checked: chosen.has(run.run) } });
+      box.addEventListener("change", () => {
+        if (box.checked) chosen.add(run.run);
+        else chosen.delete(run.run);
+        onChange(runs.map((r) => r.run).filter((name) => chosen.has(name)));
+      });
+      list.append(
+        el("li", { class: `run-item state-${status.state}`, data: { run: run.run, state: status.state } }, [
+          el("label", {}, [box, el("span", { class: "run-name", text: run.run, title: run.run })]),
+          el("div", { class: "run-status", data: { field: "status" }, text: status.text }),
         ]),
-        el("div", { class: "run-status", data: { field: "status" }, text: status.text }),
-      ]),
-    );
+      );
+    }
+    listBox.append(list);
   }
-  container.append(list);
+
+  filterBox.addEventListener("input", renderList);
+  return {
+    update(nextRuns, selected) {
+      runs = nextRuns;
+      chosen = new Set(selected);
+      renderList();
+    },
+  };
 }

@@ -2,8 +2,8 @@
 import { el, clear } from "./dom.js";
 import { fmt, isNonFinite, truncateLeft } from "./format.js";
 
-const COLUMNS = ["phase", "layer", "tensor", "nan", "inf", "min", "max", "max_abs", "norm"];
-const NUMERIC = new Set(["nan", "inf", "min", "max", "max_abs", "norm"]);
+const COLUMNS = ["phase", "layer", "tensor", "nan", "inf", "min", "max", "max_abs", "norm", "value"];
+const NUMERIC = new Set(["nan", "inf", "min", "max", "max_abs", "norm", "value"]);
 
 /**
  * Nearest recorded steps to `step`.
@@ -30,6 +30,18 @@ export function isBadCell(column, value) {
 }
 
 /**
+ * Whether a row is where the incident's first non-finite value was born.
+ * @param {Object} row A row of the `step` route.
+ * @param {Object|null} incident The run's incident.
+ * @param {number} step The table's step.
+ * @returns {boolean} True for the origin row.
+ */
+export function isOriginRow(row, incident, step) {
+  if (!incident || incident.step !== step) return false;
+  return row.phase === incident.phase && (row.layer ?? null) === (incident.layer ?? null) && row.tensor === incident.tensor;
+}
+
+/**
  * Shows a "loading" line.
  * @param {HTMLElement} container The step table container.
  * @param {number} step The step being loaded.
@@ -45,8 +57,10 @@ export function renderStepLoading(container, step) {
  * Renders the per-layer table.
  * @param {HTMLElement} container Element to render into.
  * @param {Object} data The `step` route response.
+ * @param {Object|null} [incident] The run's incident: its origin row is singled
+ *   out (`tr.origin`, `data-origin="true"`) and scrolled to.
  */
-export function renderStepTable(container, data) {
+export function renderStepTable(container, data, incident = null) {
   clear(container);
   container.classList.add("step-table");
   container.dataset.state = "ready";
@@ -59,12 +73,17 @@ export function renderStepTable(container, data) {
   );
   const head = el("tr", {}, COLUMNS.map((c) => el("th", { text: c.replace("_", " ") })));
   const body = el("tbody");
+  let originRow = null;
   for (const row of rows) {
     const rowBad = COLUMNS.some((c) => isBadCell(c, row[c]));
-    body.append(
-      el(
-        "tr",
-        { class: rowBad ? "bad" : "", data: { phase: row.phase, layer: row.layer } },
+    const origin = isOriginRow(row, incident, data.step);
+    const tr = el(
+      "tr",
+        {
+          class: [rowBad ? "bad" : "", origin ? "origin" : ""].join(" ").trim() || null,
+          title: origin ? "origin: the first non-finite value was born here" : null,
+          data: { phase: row.phase, layer: row.layer, origin: origin ? "true" : null },
+        },
         COLUMNS.map((c) =>
           el("td", {
             class: `${NUMERIC.has(c) ? "num" : ""}${isBadCell(c, row[c]) ? " nonfinite" : ""}`.trim() || null,
@@ -73,10 +92,17 @@ export function renderStepTable(container, data) {
             text: NUMERIC.has(c) ? fmt(row[c] ?? null) : c === "layer" && row.layer ? truncateLeft(row.layer, 44) : row[c] ?? "–",
           }),
         ),
-      ),
-    );
+      );
+    if (origin) originRow = tr;
+    body.append(tr);
   }
-  container.append(el("div", { class: "table-scroll" }, [el("table", {}, [el("thead", {}, [head]), body])]));
+  const scroller = el("div", { class: "table-scroll" }, [el("table", {}, [el("thead", {}, [head]), body])]);
+  container.append(scroller);
+  container.dataset.originShown = String(Boolean(originRow));
+  if (originRow) {
+    // Scroll the table (not the page) so that the origin row sits below the sticky header.
+    scroller.scrollTop = Math.max(0, originRow.offsetTop - head.offsetHeight - 2 * originRow.offsetHeight);
+  }
 }
 
 /**

@@ -6,13 +6,18 @@
  * Red line: first non-finite step; orange dashed line: explosion onset; grey
  * bands: steps skipped by the loss scaler; blue line: the selected step.
  * Zoom by dragging, pan with shift+drag or the arrow buttons, reset with a
- * double-click or the button. Timelines created with the same `syncKey`
+ * double-click or the button; "Go to incident" centres the incident (or the
+ * explosion onset). CSV/JSON download the whole run at full resolution. Timelines created with the same `syncKey`
  * (runs side by side) share the hover cursor and zoom/pan/reset together.
  */
 import uPlot from "uplot";
 import { el, clear } from "./dom.js";
+import { downloadName, saveText, timelineCsv, timelineJson } from "./download.js";
 import { createTimelineData, stepOfPoint } from "./timeline_data.js";
 import { HEIGHT, createPlot, magnitudeThreshold, toPlotData } from "./timeline_plot.js";
+
+/** Steps shown either side of the incident by "Go to incident" when not zoomed in closer. */
+const INCIDENT_HALF_SPAN = 50;
 
 /** Timelines sharing a sync key zoom and pan together: syncKey -> Set of members. */
 const GROUPS = new Map();
@@ -21,7 +26,8 @@ const GROUPS = new Map();
  * Creates the timeline of one run.
  * @param {HTMLElement} container Element to render into (gets data-state, data-bucket, ...).
  * @param {{run: string, syncKey?: string, onStepClick?: (step: number) => void}} opts Options.
- * @returns {{load: () => Promise<Object>, setSelectedStep: (step: number|null) => void,
+ * @returns {{load: () => Promise<Object>, refresh: () => Promise<Object>, redraw: () => void,
+ *            setSelectedStep: (step: number|null) => void, gotoIncident: () => void,
  *            resetZoom: () => Promise<void>, zoomTo: (start: number, end: number) => Promise<void>,
  *            destroy: () => void, get data(): Object|null, get plot(): Object|null}} Controller.
  */
@@ -34,9 +40,13 @@ export function createTimeline(container, opts) {
   const resetBtn = el("button", { class: "btn", text: "Reset zoom", data: { action: "reset-zoom" } });
   const panLeft = el("button", { class: "btn", text: "◀", title: "Pan left", data: { action: "pan-left" } });
   const panRight = el("button", { class: "btn", text: "▶", title: "Pan right", data: { action: "pan-right" } });
+  const incidentBtn = el("button", { class: "btn", text: "Go to incident", title: "Centre the first non-finite step (or the explosion onset)", data: { action: "goto-incident" } });
+  incidentBtn.hidden = true;
+  const csvBtn = el("button", { class: "btn", text: "CSV", title: "Download the run's timeline as CSV", data: { action: "download-csv" } });
+  const jsonBtn = el("button", { class: "btn", text: "JSON", title: "Download the run's timeline as JSON", data: { action: "download-json" } });
   const info = el("span", { class: "timeline-info muted", data: { field: "range" } });
   const toolbar = el("div", { class: "timeline-toolbar" }, [
-    resetBtn, panLeft, panRight, info,
+    resetBtn, panLeft, panRight, incidentBtn, info, el("span", { class: "toolbar-gap" }), csvBtn, jsonBtn,
   ]);
   const chartBox = el("div", { class: "timeline-chart" });
   const keyText = el("div", { class: "timeline-key muted" }, [
@@ -145,9 +155,13 @@ export function createTimeline(container, opts) {
         data.showRange(u.scales.x.min, u.scales.x.max);
       },
       onSelectRange: userSetRange,
-      onDrawn(count) {
-        // Exposed for tests: how many series have a drawn path.
-        container.dataset.seriesDrawn = String(count);
+      onDrawn({ series, marks, ticks }) {
+        // Exposed for tests: what was drawn.
+        container.dataset.seriesDrawn = String(series);
+        container.dataset.marksInside = String(marks);
+        container.dataset.ticksX = ticks[0].join(" ");
+        container.dataset.ticksLeft = ticks[1].join(" ");
+        container.dataset.ticksRight = ticks[2].join(" ");
       },
     });
   }
@@ -173,6 +187,44 @@ export function createTimeline(container, opts) {
     }
   }
 
+  /** The step the incident button centres: first non-finite, else explosion onset. */
+  function incidentStep() {
+    const tl = data.full;
+    if (!tl) return null;
+    if (tl.first_nonfinite) return tl.first_nonfinite.step;
+    return tl.explosion ? tl.explosion.step : null;
+  }
+
+  function gotoIncident() {
+    const step = incidentStep();
+    if (!u || step === null) return;
+    const shown = u.scales.x.max - u.scales.x.min;
+    const half = Math.min(INCIDENT_HALF_SPAN, shown / 2);
+    userSetRange(step - half, step + half);
+  }
+
+  async function download(format) {
+    const whole = await data.fetchWhole().catch((err) => {
+      info.textContent = `Could not download the timeline: ${err.message}`;
+      return null;
+    });
+    if (!whole) return;
+    if (format === "csv") saveText(downloadName(run, "csv"), timelineCsv(whole), "text/csv");
+    else saveText(downloadName(run, "json"), timelineJson(whole), "application/json");
+  }
+
+  function showLoaded(full, view) {
+    u?.destroy();
+    u = null; // the new plot's first setScale must not see the old one
+    u = makePlot(Math.max(300, chartBox.clientWidth || 600));
+    if (view) u.setScale("x", view);
+    resizeObserver?.observe(chartBox);
+    incidentBtn.hidden = incidentStep() === null;
+    container.dataset.totalSteps = String(full.total_steps);
+    container.dataset.state = "ready";
+    setInfo();
+  }
+
   function resize() {
     if (!u) return;
     const width = Math.max(300, chartBox.clientWidth);
@@ -180,6 +232,9 @@ export function createTimeline(container, opts) {
   }
 
   resetBtn.addEventListener("click", () => resetZoom());
+  incidentBtn.addEventListener("click", gotoIncident);
+  csvBtn.addEventListener("click", () => download("csv"));
+  jsonBtn.addEventListener("click", () => download("json"));
   panLeft.addEventListener("click", () => pan(-0.5));
   panRight.addEventListener("click", () => pan(0.5));
   window.addEventListener("mousemove", onMouseMove);
@@ -188,15 +243,23 @@ export function createTimeline(container, opts) {
   return {
     async load() {
       const full = await data.load();
-      if (!full) return null;
-      u?.destroy();
-      u = null; // the new plot's first setScale must not see the old one
-      u = makePlot(Math.max(300, chartBox.clientWidth || 600));
-      resizeObserver?.observe(chartBox);
-      container.dataset.state = "ready";
-      setInfo();
+      if (full) showLoaded(full, null);
       return full;
     },
+    /** Fetches the run again (it may have grown), keeping a zoomed view where it was. */
+    async refresh() {
+      const before = data.full;
+      const zoomed = u && before && data.current !== before;
+      const view = zoomed ? { min: u.scales.x.min, max: u.scales.x.max } : null;
+      const full = await data.load();
+      if (full) showLoaded(full, view);
+      return full;
+    },
+    /** Draws again, e.g. in the colours of a new theme. */
+    redraw() {
+      u?.redraw(false);
+    },
+    gotoIncident,
     setSelectedStep(step) {
       selectedStep = step;
       u?.redraw(false);

@@ -10,6 +10,8 @@
 import { fetchTimeline } from "./api.js";
 
 export const MAX_POINTS = 4000;
+/** The route's largest `max_points`: a download is exact up to this many steps. */
+const DOWNLOAD_MAX_POINTS = 200000;
 const REFETCH_DELAY_MS = 150;
 
 /**
@@ -54,7 +56,7 @@ export function stepOfPoint(tl, idx) {
  *          onRange: (tl: Object, view: {min: number, max: number}) => void}} events `onState` on every state
  *   change; `onRange` with the visible range it was fetched for, when a
  *   zoomed range arrived (not for `load`/`reset`).
- * @returns {{load: () => Promise<Object|null>, showRange: (min: number, max: number) => void,
+ * @returns {{load: () => Promise<Object|null>, fetchWhole: () => Promise<Object>, showRange: (min: number, max: number) => void,
  *            reset: () => Object|null, destroy: () => void,
  *            get current(): Object|null, get full(): Object|null}} Controller.
  */
@@ -100,6 +102,10 @@ export function createTimelineData(run, events) {
       full = current = data;
       requested = null;
       return data;
+    },
+    /** Fetches the whole run at the finest resolution the route gives (for downloads). */
+    fetchWhole() {
+      return fetchTimeline(run, { maxPoints: DOWNLOAD_MAX_POINTS });
     },
     /** The user now sees [min, max]: fetch it exactly, soon, if needed. */
     showRange(min, max) {

@@ -20,17 +20,24 @@
  */
 import uPlot from "uplot";
 import { fmt, nonFiniteKind } from "./format.js";
+import { cssColor } from "./theme.js";
 
 export const HEIGHT = 280;
+/** Least distance between two y tick labels, in CSS pixels. */
+const MIN_TICK_GAP = 22;
+/** Plot height assumed before uPlot has laid the plot out. */
+const FALLBACK_PLOT_HEIGHT = HEIGHT - 60;
+/** Step increments of the x axis: whole steps only (never 0.2). */
+const STEP_INCREMENTS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9].flatMap((k) => [1, 2, 5].map((m) => m * 10 ** k));
 
-const COLORS = { nan: "#d000d0", marker: "#d62728", explosion: "#ff7f0e", selected: "#1565c0" };
+const COLORS = { nan: "#d000d0", marker: "#d62728", explosion: "#ff7f0e" };
 
 /** The plotted series: column name, label, scale and colour. */
 export const SERIES = [
-  { column: "loss", label: "loss", scale: "mag", stroke: "#1f77b4" },
-  { column: "grad_norm", label: "grad norm", scale: "mag", stroke: "#e6550d" },
-  { column: "logit_max", label: "logit max", scale: "logit", stroke: "#2ca02c" },
-  { column: "logit_min", label: "logit min", scale: "logit", stroke: "#8c564b" },
+  { column: "loss", label: "loss (left)", scale: "mag", stroke: "#1f77b4" },
+  { column: "grad_norm", label: "grad norm (left)", scale: "mag", stroke: "#e6550d" },
+  { column: "logit_max", label: "logit max (right)", scale: "logit", stroke: "#2ca02c" },
+  { column: "logit_min", label: "logit min (right)", scale: "logit", stroke: "#a0522d" },
 ];
 
 /**
@@ -68,35 +75,54 @@ export function toPlotData(tl) {
 }
 
 /**
- * Tick positions for an arcsinh axis: 0 and ±powers of ten, thinned to at
- * most `maxTicks` so labels never overlap.
+ * "Nice" evenly spaced ticks of a linear range (about four of them).
+ * @param {number} min Range minimum.
+ * @param {number} max Range maximum.
+ * @returns {number[]} Tick values, ascending.
+ */
+export function linearTicks(min, max) {
+  const rough = (max - min) / 4;
+  const magnitude = 10 ** Math.floor(Math.log10(rough));
+  const step = [1, 2, 5, 10].map((m) => m * magnitude).find((m) => m >= rough);
+  const ticks = [];
+  for (let t = Math.ceil(min / step) * step; t <= max + step * 1e-9; t += step) ticks.push(Number(t.toPrecision(12)));
+  return ticks;
+}
+
+/** How round a power of ten's exponent is: ticks of rounder ones are kept first. */
+function roundness(value) {
+  if (value === 0) return Infinity;
+  const k = Math.round(Math.log10(Math.abs(value)));
+  return [10, 5, 2, 1].find((d) => k % d === 0);
+}
+
+/**
+ * Tick positions for an arcsinh axis: 0 and ±powers of ten, none closer
+ * than MIN_TICK_GAP pixels to another (0 and round exponents are kept
+ * first, so labels never overlap); evenly spaced ticks when fewer than two
+ * of those fall in the range (a range inside the linear part).
  * @param {number} min Scale minimum.
  * @param {number} max Scale maximum.
  * @param {number} threshold Linear threshold of the scale.
- * @param {number} [maxTicks] Maximum number of ticks.
+ * @param {number} pixels Height of the plot in CSS pixels.
  * @returns {number[]} Tick values, ascending.
  */
-export function symlogTicks(min, max, threshold, maxTicks = 7) {
+export function symlogTicks(min, max, threshold, pixels) {
   if (!Number.isFinite(min) || !Number.isFinite(max) || max <= min) return [];
   const lo = Math.floor(Math.log10(threshold));
-  const decadesOf = (a, b) => {
-    const out = [];
-    if (!(b > 0)) return out;
-    const k0 = Math.max(lo, Math.floor(Math.log10(Math.max(a, threshold))));
-    for (let k = k0; k <= Math.ceil(Math.log10(b)); k++) out.push(k);
-    return out;
-  };
-  const pos = decadesOf(Math.max(min, 0), max);
-  const neg = decadesOf(Math.max(-max, 0), -min);
-  const count = pos.length + neg.length + 1;
-  const every = Math.max(1, Math.ceil(count / maxTicks));
-  const keep = (ks) => ks.filter((k) => k % every === 0);
-  const ticks = [
-    ...keep(neg).map((k) => -(10 ** k)).reverse(),
-    0,
-    ...keep(pos).map((k) => 10 ** k),
-  ];
-  return ticks.filter((t) => t >= min && t <= max);
+  const hi = Math.ceil(Math.log10(Math.max(Math.abs(min), Math.abs(max), threshold)));
+  const candidates = [0];
+  for (let k = lo; k <= hi; k++) candidates.push(10 ** k, -(10 ** k));
+  const inRange = candidates.filter((t) => t >= min && t <= max);
+  if (inRange.length < 2) return linearTicks(min, max);
+  const at = (v) => Math.asinh(v / threshold);
+  const scale = pixels / (at(max) - at(min));
+  const kept = [];
+  inRange.sort((a, b) => roundness(b) - roundness(a) || Math.abs(b) - Math.abs(a));
+  for (const t of inRange) {
+    if (kept.every((k) => Math.abs(at(k) - at(t)) * scale >= MIN_TICK_GAP)) kept.push(t);
+  }
+  return kept.sort((a, b) => a - b);
 }
 
 /**
@@ -153,12 +179,24 @@ function vline(u, step, color, dash, label, row = 0) {
     const w = ctx.measureText(label).width;
     const tx = x + 4 * dpr + w > left + width ? x - 4 * dpr - w : x + 4 * dpr;
     const ty = top + (40 + 15 * row) * dpr;
-    ctx.fillStyle = "rgba(255, 255, 255, 0.85)";
+    ctx.fillStyle = cssColor("--label-bg");
     ctx.fillRect(tx - 2 * dpr, ty - 11 * dpr, w + 4 * dpr, 14 * dpr);
     ctx.fillStyle = color;
     ctx.fillText(label, tx, ty);
   }
   ctx.restore();
+}
+
+/**
+ * The x range a plot opens on: the run's steps plus a little room on the
+ * right, so the last step (where a stopped run's NaN is) is not on the edge.
+ * @param {number} min First step.
+ * @param {number} max Last step.
+ * @returns {[number, number]} x minimum and maximum.
+ */
+export function paddedStepRange(min, max) {
+  const pad = Math.max(0.5, (max - min) * 0.03);
+  return [min === max ? min - pad : min, max + pad];
 }
 
 /**
@@ -169,13 +207,16 @@ function vline(u, step, color, dash, label, row = 0) {
  *          onMouseDown: (e: MouseEvent, plot: Object) => boolean,
  *          onDoubleClick: () => void, onScaleX: () => void,
  *          onSelectRange: (min: number, max: number) => void,
- *          onDrawn: (seriesDrawn: number) => void}} opts `getData` returns the
- *   `timeline` response on screen; `onMouseDown` returns true when it took
- *   the event (uPlot then ignores it).
+ *          onDrawn: (drawn: {series: number, marks: number, ticks: string[][]}) => void}} opts
+ *   `getData` returns the `timeline` response on screen; `onMouseDown` returns
+ *   true when it took the event (uPlot then ignores it); `onDrawn` reports
+ *   after each draw how many series have a path, how many NaN/Inf marks lie
+ *   wholly inside the plot, and the tick labels of the x, left and right axes.
  * @returns {Object} The uPlot instance.
  */
 export function createPlot(chartBox, opts) {
   const { threshold, syncKey, getData } = opts;
+  const ticks = [[], [], []];
 
   function rawValue(sidx, idx) {
     const tl = getData();
@@ -201,38 +242,56 @@ export function createPlot(chartBox, opts) {
     ctx.restore();
   }
 
-  function drawOverlays(plot) {
-    const tl = getData();
-    if (!tl) return;
+  /** NaN/Inf marks, drawn over the lines; returns how many lie wholly inside the plot. */
+  function drawMarks(plot, tl) {
     const dpr = uPlot.pxRatio;
     const ctx = plot.ctx;
-    const { top, height } = plot.bbox;
+    const { top, left, width, height } = plot.bbox;
     const r = 4.5 * dpr;
-    const [i0, i1] = [0, tl.steps.length - 1];
+    let inside = 0;
     ctx.save();
     ctx.lineWidth = 1 * dpr;
     for (let s = 0; s < SERIES.length; s++) {
       const col = tl.columns[SERIES[s].column];
       if (!col || !plot.series[s + 1].show) continue;
       ctx.fillStyle = SERIES[s].stroke;
-      for (let i = i0; i <= i1; i++) {
+      for (let i = 0; i < tl.steps.length; i++) {
         const kind = nonFiniteKind(col[i]);
         if (!kind) continue;
         const x = plot.valToPos(tl.steps[i], "x", true);
-        if (x < plot.bbox.left - r || x > plot.bbox.left + plot.bbox.width + r) continue;
+        if (x < left - r || x > left + width + r) continue;
+        if (x >= left + r && x <= left + width - r) inside++;
         const y = kind === "neginf" ? top + height - r - 1 : top + r + 1 + (kind === "nan" ? 2 * r + 2 : 0);
-        ctx.strokeStyle = kind === "nan" ? COLORS.nan : "#000";
+        ctx.strokeStyle = kind === "nan" ? COLORS.nan : cssColor("--fg");
         drawMark(ctx, kind, x, y, r);
       }
     }
     ctx.restore();
+    return inside;
+  }
+
+  function drawOverlays(plot) {
+    const tl = getData();
+    if (!tl) return;
+    // Lines first: the marks at the incident step stay on top of its red line.
     if (tl.first_nonfinite) vline(plot, tl.first_nonfinite.step, COLORS.marker, [], `first non-finite: step ${tl.first_nonfinite.step}`);
     if (tl.explosion) vline(plot, tl.explosion.step, COLORS.explosion, [6, 4], `explosion: step ${tl.explosion.step}`, 1);
     const selectedStep = opts.getSelectedStep();
-    if (selectedStep !== null) vline(plot, selectedStep, COLORS.selected, [2, 3], null);
-    opts.onDrawn(plot.series.slice(1).filter((s) => s._paths).length);
+    if (selectedStep !== null) vline(plot, selectedStep, cssColor("--accent"), [2, 3], null);
+    const marks = drawMarks(plot, tl);
+    opts.onDrawn({ series: plot.series.slice(1).filter((s) => s._paths).length, marks, ticks });
   }
 
+  const plotHeight = (self) => (self.bbox.height ? self.bbox.height / uPlot.pxRatio : FALLBACK_PLOT_HEIGHT);
+  const labelled = (axisIdx, format) => (self, values) => {
+    ticks[axisIdx] = values.map((t) => (t == null ? "" : format(t)));
+    return ticks[axisIdx];
+  };
+  const themed = {
+    stroke: () => cssColor("--fg"),
+    grid: { stroke: () => cssColor("--grid"), width: 1 },
+    ticks: { stroke: () => cssColor("--grid"), width: 1 },
+  };
   const series = [
     {
       label: "step",
@@ -256,28 +315,30 @@ export function createPlot(chartBox, opts) {
     height: HEIGHT,
     series,
     scales: {
-      x: { time: false },
+      x: { time: false, range: (self, min, max) => paddedStepRange(min, max) },
       mag: { distr: 4, asinh: threshold },
       logit: { distr: 4, asinh: 1 },
     },
     axes: [
-      { label: "step", size: 40 },
+      { ...themed, label: "step", size: 40, incrs: STEP_INCREMENTS, values: labelled(0, String) },
       {
+        ...themed,
         scale: "mag",
-        label: "loss, grad norm (symlog)",
-        splits: (self, i, min, max) => symlogTicks(min, max, threshold),
+        label: "left: loss, grad norm (symlog)",
+        splits: (self, i, min, max) => symlogTicks(min, max, threshold, plotHeight(self)),
         filter: (self, splits) => splits,
-        values: (self, ticks) => ticks.map(tickLabel),
+        values: labelled(1, tickLabel),
         size: 56,
       },
       {
+        ...themed,
         scale: "logit",
         side: 1,
-        label: "logits (symlog)",
+        label: "right: logits (symlog)",
         grid: { show: false },
-        splits: (self, i, min, max) => symlogTicks(min, max, 1),
+        splits: (self, i, min, max) => symlogTicks(min, max, 1, plotHeight(self)),
         filter: (self, splits) => splits,
-        values: (self, ticks) => ticks.map(tickLabel),
+        values: labelled(2, tickLabel),
         size: 56,
       },
     ],
