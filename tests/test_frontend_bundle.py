@@ -148,3 +148,53 @@ def test_revive_restores_non_finite_numbers_but_not_names():
         "title": "NaN",
         "evidence": "NaN",
     }
+
+
+def test_pure_view_helpers():
+    """heatmap/download/run_selector/step_table helpers, run in node."""
+    node = shutil.which("node")
+    if node is None:
+        if _require_npm():
+            pytest.fail("NANWATCH_REQUIRE_NPM=1 but node is not on PATH")
+        pytest.skip("node is not on PATH")
+    script = """
+      import { initialMetric, labelledColumns } from "./src/heatmap.js";
+      import { timelineCsv } from "./src/download.js";
+      import { runFilter } from "./src/run_selector.js";
+      import { isOriginRow } from "./src/step_table.js";
+      const steps = Array.from({ length: 40 }, (_, i) => 10000 + i);
+      const cols = labelledColumns(steps, 8, 37);
+      const gaps = cols.slice(1).map((c, i) => (c - cols[i]) * 8);
+      const tl = { steps: [0, 1], bucket: 1, end: 2,
+                   columns: { loss: [0.5, NaN], grad_norm: [Infinity, null] } };
+      const inc = { step: 3, phase: "loss", layer: null, tensor: "total loss" };
+      console.log(JSON.stringify({
+        backward: initialMetric({ phase: "backward" }), forward: initialMetric({ phase: "forward" }),
+        none: initialMetric(null), hasOrigin: cols.includes(37), minGap: Math.min(...gaps),
+        csv: timelineCsv(tl),
+        regex: runFilter("^a|c$").matches("xc"), text: runFilter("b(").matches("ab(c"),
+        invalid: runFilter("b(").valid,
+        origin: isOriginRow({ phase: "loss", layer: null, tensor: "total loss" }, inc, 3),
+        otherStep: isOriginRow({ phase: "loss", layer: null, tensor: "total loss" }, inc, 4),
+      }));
+    """
+    result = subprocess.run(
+        [node, "--input-type=module", "-e", script],
+        cwd=FRONTEND,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert (out["backward"], out["forward"], out["none"]) == (
+        "grad_norm",
+        "forward_max_abs",
+        "forward_max_abs",
+    )
+    assert out["hasOrigin"]
+    assert out["minGap"] >= 5 * 6.5  # five-digit labels never overlap
+    assert out["csv"] == "step,loss,grad_norm\n0,0.5,Infinity\n1,NaN,\n"
+    assert out["regex"] and out["text"] and out["invalid"] is False
+    assert out["origin"] and not out["otherStep"]
