@@ -25,8 +25,6 @@ from urllib.parse import urlencode
 
 from tb_nanwatch import __version__, metadata, plugin
 
-# The frontend asks for the timeline with this max_points (timeline.js).
-FRONTEND_MAX_POINTS = 4000
 DEFAULT_MAX_POINTS = 20_000
 DEFAULT_MAX_STEP_TABLES = 64
 

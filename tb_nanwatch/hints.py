@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from tb_nanwatch import diagnosis
-from tb_nanwatch.reader import Flight, Series
+from tb_nanwatch.reader import Flight, Run, Series
 from tb_nanwatch.schema import Schema
 
 # (a) logits rising: at least this many consecutive increases, growing this much;
@@ -61,6 +61,20 @@ class Record:
 
     def vector(self, step: int) -> np.ndarray | None:
         return self.flight.vector(step) if self.flight is not None else None
+
+
+def run_record(
+    run: Run, incident: dict | None, series: Series | None, flight: Flight | None
+) -> Record:
+    """The record of a run as read (the plugin's incident route and the report)."""
+    return Record(
+        schema=run.schema,
+        incident=incident,
+        explosion=run.summary.get("explosion"),
+        series=series,
+        flight=flight,
+        summary=run.summary,
+    )
 
 
 def _hint(hint_id: str, title: str, text: str, **evidence: float | str | None) -> dict:
@@ -254,9 +268,7 @@ def input_nonfinite(rec: Record) -> dict | None:
     if rec.flight is not None and entry is not None:
         clean_before = 0
         for step in range(rec.step - 1, rec.flight.first_step - 1, -1):
-            vector = rec.flight.vector(step)
-            values = rec.schema.values(vector, entry)
-            if diagnosis.nonfinite_kind(values["nan"], values["inf"]) is not None:
+            if diagnosis.entry_nonfinite(rec.flight.vector(step), entry):
                 break
             clean_before += 1
     text = (
@@ -288,8 +300,8 @@ def adam_epsilon(rec: Record) -> dict | None:
         return None
     zero = []
     for entry in rec.schema.find(phase="backward", kind="grad_var"):
-        values = rec.schema.values(vector, entry)
-        if values["norm"] == 0.0 and values["nan"] == 0 and values["inf"] == 0:
+        finite = not diagnosis.entry_nonfinite(vector, entry)
+        if finite and rec.schema.values(vector, entry)["norm"] == 0.0:
             zero.append(entry)
     if not zero:
         return None
@@ -317,8 +329,8 @@ def backward_origin(rec: Record) -> dict | None:
     """(f) the forward pass and loss were finite; a gradient was not."""
     if rec.phase != "backward" or rec.step is None or not rec.incident.get("layer"):
         return None
-    if rec.incident.get("note"):
-        return None  # a loss-scaler skip streak, not one op's gradient
+    if diagnosis.from_loss_scaler(rec.incident):
+        return None  # the loss scaler's rule, not one op's gradient
     loss = None
     output_min = output_max = None
     vector = rec.vector(rec.step)
@@ -326,9 +338,9 @@ def backward_origin(rec: Record) -> dict | None:
         for entry in rec.schema.entries:
             if entry.phase not in ("input", "forward", "loss"):
                 continue
-            values = rec.schema.values(vector, entry)
-            if diagnosis.nonfinite_kind(values["nan"], values["inf"]) is not None:
+            if diagnosis.entry_nonfinite(vector, entry):
                 return None
+            values = rec.schema.values(vector, entry)
             if entry.kind == "loss" and entry.layer is None:
                 loss = values["value"]
             if entry.kind == "activation" and entry.layer == rec.incident["layer"]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import threading
 import time
 
@@ -72,7 +71,12 @@ class JournalSettings:
 
 
 class RunJournal:
-    """Receives per-step stats vectors and keeps the run's record on disk."""
+    """Receives per-step stats vectors and keeps the run's record on disk.
+
+    Each step is judged by a :class:`~tb_nanwatch.diagnosis.RunDiagnosis`;
+    the journal keeps what it decides (first incident, explosion onset,
+    skipped steps) and writes it with the series.
+    """
 
     def __init__(
         self,
@@ -87,23 +91,25 @@ class RunJournal:
         self.run_info = dict(run_info)
         self.window = settings.window
         self.snapshot_every = settings.snapshot_every
-        self.max_consecutive_skips = settings.max_consecutive_skips
-        # A step skipped by the loss scaler whose scale fell below this floor
-        # is an incident: float16 cannot hold even the unscaled gradients.
-        self.min_loss_scale = float(settings.min_loss_scale)
         self.flush_secs = settings.flush_secs
-        self.explosion = diagnosis.ExplosionDetector(factor=settings.explosion_factor)
+        self.diagnosis = diagnosis.RunDiagnosis(
+            schema,
+            diagnosis.IncidentRules(
+                max_consecutive_skips=settings.max_consecutive_skips,
+                min_loss_scale=float(settings.min_loss_scale),
+                explosion_factor=settings.explosion_factor,
+            ),
+        )
         self.writer = writer or RunWriter(log_dir)
 
-        header = schema.header()
-        self._header = header.offset
-        self._outputs = [e for e in schema.entries if e.phase == "loss" and e.layer is not None]
-        self._logits = schema.find(kind="logits")
-        self.series_columns = list(SERIES_BASE_COLUMNS) + [f"loss/{e.layer}" for e in self._outputs]
-        # Vector offsets read every step (precomputed: record() runs per step).
-        self._output_index = np.array([e.offset + 2 for e in self._outputs], np.intp)
-        self._logit_min_index = np.array([e.offset + 2 for e in self._logits], np.intp)
-        self._logit_max_index = self._logit_min_index + 1
+        outputs = [e for e in schema.entries if e.phase == "loss" and e.layer is not None]
+        self.series_columns = list(SERIES_BASE_COLUMNS) + [f"loss/{e.layer}" for e in outputs]
+        # Vector positions read every step (precomputed: record() runs per step).
+        self._output_loss_index = np.array(schema.indices(outputs, "value"), np.intp)
+        self._header_index = np.array(
+            [schema.header_index(f) for f in ("lr", "loss_scale", "skipped", "iterations")],
+            np.intp,
+        )
         self._chunk_rows: list[np.ndarray] = []
         self._chunk_start = 0
         self._ring = np.zeros((max(self.window, 1), schema.size), np.float32)
@@ -112,10 +118,6 @@ class RunJournal:
         self.first_nonfinite: dict | None = None
         self.explosion_onset: dict | None = None
         self.skipped_steps: list[int] = []
-        self._skip_streak_start: int | None = None
-        self._skip_streak_vector: np.ndarray | None = None
-        self._skip_streak_meta: tuple[int, int] | None = None
-        self._skip_streak_extra: dict | None = None
         self.status = "running"
         self.repro_bundle: str | None = None
         self._last_flush = time.monotonic()
@@ -136,6 +138,34 @@ class RunJournal:
         ``extra`` (e.g. which replica went non-finite first) is added to the
         incident if this step becomes one.
         """
+        vector = self._checked(step, vector)
+        slot = step % self._ring.shape[0]
+        self._ring[slot] = vector
+        self._ring_steps[slot] = step
+        place = diagnosis.StepPlace(step, epoch, batch, extra)
+        verdict = self.diagnosis.judge(place, vector)
+        self._append_row(place, vector, verdict)
+        self.steps = step + 1
+        if self.snapshot_every and step % self.snapshot_every == 0:
+            self.writer.write_array(metadata.layers_tag(step), metadata.KIND_LAYERS, step, vector)
+        if verdict.skipped:
+            self.skipped_steps.append(step)
+        if verdict.incident is not None:
+            self.first_nonfinite = verdict.incident
+        if verdict.explosion is not None:
+            self.explosion_onset = verdict.explosion
+            self.flush()
+        if len(self._chunk_rows) >= metadata.CHUNK_STEPS:
+            self._write_chunk()
+            self._chunk_rows = []
+        if verdict.incident is not None:
+            self._write_incident(verdict.incident)
+        elif time.monotonic() - self._last_flush > self.flush_secs:
+            self.flush()
+        return verdict.incident
+
+    def _checked(self, step: int, vector: np.ndarray) -> np.ndarray:
+        """``vector`` as float32, or a ValueError for a wrong shape or step."""
         vector = np.asarray(vector, np.float32)
         if vector.shape != (self.schema.size,):
             raise ValueError(
@@ -143,128 +173,33 @@ class RunJournal:
             )
         if step != self.steps:
             raise ValueError(f"steps must be recorded in order: expected {self.steps}, got {step}")
-        slot = step % self._ring.shape[0]
-        self._ring[slot] = vector
-        self._ring_steps[slot] = step
+        return vector
 
-        h = self._header
-        loss, grad_norm, lr, loss_scale, skipped, iterations = vector[h : h + 6]
-        logit_min, logit_max = self._logit_extremes(vector)
-        origin = diagnosis.find_origin(self.schema, vector)
-        # One row of the compact series, columns as in SERIES_BASE_COLUMNS
-        # followed by the per-output losses.
-        row = np.empty(len(SERIES_BASE_COLUMNS) + len(self._output_index), np.float32)
+    def _append_row(
+        self, place: diagnosis.StepPlace, vector: np.ndarray, verdict: diagnosis.Verdict
+    ) -> None:
+        """One row of the compact series: SERIES_BASE_COLUMNS, then the
+        per-output losses."""
+        lr, loss_scale, skipped, iterations = vector[self._header_index]
+        signals = verdict.signals
+        row = np.empty(len(SERIES_BASE_COLUMNS) + len(self._output_loss_index), np.float32)
         row[: len(SERIES_BASE_COLUMNS)] = (
-            loss,
-            grad_norm,
-            logit_min,
-            logit_max,
+            signals.loss,
+            signals.grad_norm,
+            signals.logit_min,
+            signals.logit_max,
             lr,
             loss_scale,
             skipped,
-            0.0 if origin is None else 1.0,
+            1.0 if verdict.nonfinite else 0.0,
             iterations,
-            epoch,
-            batch,
+            place.epoch,
+            place.batch,
         )
-        row[len(SERIES_BASE_COLUMNS) :] = vector[self._output_index]
+        row[len(SERIES_BASE_COLUMNS) :] = vector[self._output_loss_index]
         if not self._chunk_rows:
-            self._chunk_start = step
+            self._chunk_start = place.step
         self._chunk_rows.append(row)
-        self.steps = step + 1
-
-        if self.snapshot_every and step % self.snapshot_every == 0:
-            self.writer.write_array(metadata.layers_tag(step), metadata.KIND_LAYERS, step, vector)
-
-        incident = None
-        if self.first_nonfinite is None:
-            incident = self._diagnose(step, epoch, batch, vector, origin, bool(skipped), extra)
-        if self.explosion_onset is None:
-            logit_abs = max(abs(float(logit_min)), abs(float(logit_max)))
-            self.explosion_onset = self.explosion.update(
-                step,
-                {
-                    "loss": float(loss),
-                    "grad_norm": float(grad_norm),
-                    "logits": logit_abs if self._logits else None,
-                },
-            )
-            if self.explosion_onset is not None:
-                self.flush()
-
-        if len(self._chunk_rows) >= metadata.CHUNK_STEPS:
-            self._write_chunk()
-            self._chunk_rows = []
-        if incident is not None:
-            self._write_incident(incident)
-        elif time.monotonic() - self._last_flush > self.flush_secs:
-            self.flush()
-        return incident
-
-    def _logit_extremes(self, vector: np.ndarray) -> tuple[float, float]:
-        if not self._logits:
-            return math.nan, math.nan
-        return (
-            float(np.min(vector[self._logit_min_index])),
-            float(np.max(vector[self._logit_max_index])),
-        )
-
-    def _diagnose(self, step, epoch, batch, vector, origin, skipped, extra=None) -> dict | None:
-        if skipped:
-            self.skipped_steps.append(step)
-            if self._skip_streak_start is None:
-                self._skip_streak_start = step
-                self._skip_streak_vector = vector.copy()
-                self._skip_streak_meta = (epoch, batch)
-                self._skip_streak_extra = extra
-            streak = step - self._skip_streak_start + 1
-            scale = float(vector[self._header + 3])
-            if 0 < scale < self.min_loss_scale:
-                return self._incident(
-                    step,
-                    epoch,
-                    batch,
-                    vector,
-                    origin,
-                    note=f"loss scale fell to {scale:g}, below the floor {self.min_loss_scale:g}",
-                    extra=extra,
-                )
-            if self.max_consecutive_skips and streak >= self.max_consecutive_skips:
-                first = self._skip_streak_start
-                first_origin = diagnosis.find_origin(self.schema, self._skip_streak_vector)
-                return self._incident(
-                    first,
-                    *self._skip_streak_meta,
-                    self._skip_streak_vector,
-                    first_origin,
-                    note=f"{streak} consecutive steps skipped by the loss scaler",
-                    extra=self._skip_streak_extra,
-                )
-            return None
-        self._skip_streak_start = None
-        if origin is None:
-            return None
-        return self._incident(step, epoch, batch, vector, origin, extra=extra)
-
-    def _incident(self, step, epoch, batch, vector, origin, note=None, extra=None) -> dict:
-        h = self._header
-        incident = {
-            "step": int(step),
-            **(
-                origin
-                or {"phase": "backward", "layer": None, "tensor": "scaled gradients", "kind": "inf"}
-            ),
-            "epoch": int(epoch),
-            "batch": int(batch),
-            "iterations": int(vector[h + 5]),
-            "loss": float(vector[h]),
-        }
-        if note:
-            incident["note"] = note
-        incident.update(extra or {})
-        incident.update(self.run_info.get("incident_context", {}))
-        self.first_nonfinite = incident
-        return incident
 
     # -- writing ----------------------------------------------------------
 
@@ -313,7 +248,7 @@ class RunJournal:
             "window": self.window,
             "repro_bundle": self.repro_bundle,
             "schema": self.schema.to_json(),
-            **{k: v for k, v in self.run_info.items() if k != "incident_context"},
+            **self.run_info,
         }
 
     @_locked

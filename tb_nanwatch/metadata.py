@@ -42,6 +42,10 @@ KIND_SERIES = "series"
 KIND_LAYERS = "layers"
 KINDS = (KIND_RUN, KIND_INCIDENT, KIND_FLIGHT, KIND_SERIES, KIND_LAYERS)
 
+# The largest step the records hold: the largest integer a JSON number holds
+# exactly (the run summary and the routes carry steps as JSON numbers).
+MAX_STEP = 2**53 - 1
+
 # Number of consecutive steps stored in one ``nanwatch/series/<chunk>`` tag.
 CHUNK_STEPS = 1024
 

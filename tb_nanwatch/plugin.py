@@ -34,9 +34,10 @@ STATIC_FILES = {
     "/style.css": ("style.css", "text/css"),
 }
 
+# Timeline buckets when the request names none (the frontend's timeline.js
+# asks for the same number explicitly).
 DEFAULT_MAX_POINTS = 4000
 MAX_MAX_POINTS = 200_000
-MAX_STEP = 2**53 - 1  # largest integer a JSON number holds exactly
 
 JSON = "application/json"
 
@@ -97,7 +98,7 @@ def _int_param(
     default: int | None = None,
     required: bool = False,
     low: int = 0,
-    high: int = MAX_STEP,
+    high: int = metadata.MAX_STEP,
 ) -> int | None:
     """A decimal integer query parameter in [low, high], or raises 400."""
     raw = request.args.get(name)
@@ -149,128 +150,29 @@ class NanWatchPlugin(base_plugin.TBPlugin):
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
         return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="NaN Watch")
 
-    # -- data access ------------------------------------------------------
-
-    def _require_provider(self):
-        if self._data_provider is None:
-            raise _not_found("no data provider: TensorBoard has no log data loaded")
-        return self._data_provider
-
-    def _load_run(self, request: wrappers.Request, run: str) -> reader.Run:
-        ctx = plugin_util.context(request.environ)
-        eid = plugin_util.experiment_id(request.environ)
-        found = reader.load_run(self._require_provider(), ctx, eid, run)
-        if found is None:
-            raise _not_found(f"no readable NaN Watch data for run {run!r}")
-        return found
-
-    def _series(self, request: wrappers.Request, run: reader.Run) -> reader.Series:
-        series = reader.load_series(
-            self._data_provider,
-            plugin_util.context(request.environ),
-            plugin_util.experiment_id(request.environ),
-            run,
-            cache=self._series_cache,
-        )
-        if series is None:
-            raise _not_found(f"the series of run {run.name!r} could not be read")
-        return series
-
-    def _flight(self, request: wrappers.Request, run: reader.Run) -> reader.Flight | None:
-        return reader.load_flight(
-            self._data_provider,
-            plugin_util.context(request.environ),
-            plugin_util.experiment_id(request.environ),
-            run,
-        )
-
-    def _incident(self, request: wrappers.Request, run: reader.Run) -> dict | None:
-        incident = run.summary.get("first_nonfinite")
-        if incident is None:
-            incident = reader.load_incident(
-                self._data_provider,
-                plugin_util.context(request.environ),
-                plugin_util.experiment_id(request.environ),
-                run,
-            )
-        return incident
-
-    # -- routes -----------------------------------------------------------
+    # -- routes: each parses and validates its request, then calls its _impl --
 
     def _serve_runs(self, request: wrappers.Request) -> dict:
-        ctx = plugin_util.context(request.environ)
-        eid = plugin_util.experiment_id(request.environ)
-        if self._data_provider is None:
-            return {"runs": []}
-        runs = reader.load_runs(self._data_provider, ctx, eid)
-        return {"runs": [views.run_entry(runs[name]) for name in sorted(runs)]}
+        return self.runs_impl(*_scope(request))
 
     def _serve_timeline(self, request: wrappers.Request) -> dict:
-        run_name = _run_param(request)
+        run = _run_param(request)
         start = _int_param(request, "start")
         end = _int_param(request, "end")
         max_points = _int_param(
-            request,
-            "max_points",
-            default=DEFAULT_MAX_POINTS,
-            low=1,
-            high=MAX_MAX_POINTS,
+            request, "max_points", default=DEFAULT_MAX_POINTS, low=1, high=MAX_MAX_POINTS
         )
         if start is not None and end is not None and end <= start:
             raise _bad_request("'end' must be greater than 'start'")
-        run = self._load_run(request, run_name)
-        series = self._series(request, run)
-        flight = self._flight(request, run)
-        recorded = set(run.listing.snapshot_steps())
-        if flight is not None:
-            recorded.update(flight.steps)
-        return views.timeline(run, series, start, end, max_points, sorted(recorded))
+        return self.timeline_impl(*_scope(request), run, (start, end), max_points)
 
     def _serve_incident(self, request: wrappers.Request) -> dict:
-        run = self._load_run(request, _run_param(request))
-        incident = self._incident(request, run)
-        flight = self._flight(request, run)
-        record = hints.Record(
-            schema=run.schema,
-            incident=incident,
-            explosion=run.summary.get("explosion"),
-            series=self._series(request, run),
-            flight=flight,
-            summary=run.summary,
-        )
-        return {
-            "run": run.name,
-            "incident": incident,
-            "explosion": run.summary.get("explosion"),
-            "heatmap": views.heatmap(flight, incident) if flight is not None else None,
-            "hints": hints.compute_hints(record),
-        }
+        return self.incident_impl(*_scope(request), _run_param(request))
 
     def _serve_step(self, request: wrappers.Request) -> dict:
-        run_name = _run_param(request)
+        run = _run_param(request)
         step = _int_param(request, "step", required=True)
-        run = self._load_run(request, run_name)
-        flight = self._flight(request, run)
-        vector = flight.vector(step) if flight is not None else None
-        source = "flight"
-        if vector is None:
-            source = "snapshot"
-            if step in run.listing.snapshot_steps():
-                vector = reader.load_layers(
-                    self._data_provider,
-                    plugin_util.context(request.environ),
-                    plugin_util.experiment_id(request.environ),
-                    run,
-                    step,
-                )
-        if vector is None:
-            raise _not_found(f"step {step} of run {run.name!r} has no per-layer record")
-        return {
-            "run": run.name,
-            "step": step,
-            "source": source,
-            "rows": views.step_rows(run.schema, vector),
-        }
+        return self.step_impl(*_scope(request), run, step)
 
     def _serve_static(self, route: str, request: wrappers.Request):
         filename, mime = STATIC_FILES[route]
@@ -280,3 +182,90 @@ class NanWatchPlugin(base_plugin.TBPlugin):
         except OSError:
             raise _not_found(f"static file {filename} is not installed") from None
         return http_util.Respond(request, content, mime)
+
+    # -- implementations: plain values in, a JSON body out ----------------------
+
+    def runs_impl(self, ctx, experiment: str) -> dict:
+        """The ``runs`` route."""
+        if self._data_provider is None:
+            return {"runs": []}
+        runs = self._source(ctx, experiment).runs()
+        return {"runs": [views.run_entry(runs[name]) for name in sorted(runs)]}
+
+    def timeline_impl(
+        self,
+        ctx,
+        experiment: str,
+        run_name: str,
+        step_range: tuple[int | None, int | None],
+        max_points: int,
+    ) -> dict:
+        """The ``timeline`` route over steps ``[start, end)`` (None: the run's)."""
+        source = self._source(ctx, experiment)
+        run = self._run(source, run_name)
+        series = source.series(run, self._series_cache)
+        if series is None:
+            raise _not_found(f"the series of run {run.name!r} could not be read")
+        flight = source.flight(run)
+        recorded = set(run.listing.snapshot_steps())
+        if flight is not None:
+            recorded.update(flight.steps)
+        start, end = step_range
+        return views.timeline(run, series, start, end, max_points, sorted(recorded))
+
+    def incident_impl(self, ctx, experiment: str, run_name: str) -> dict:
+        """The ``incident`` route: the incident card, heatmap and hints."""
+        source = self._source(ctx, experiment)
+        run = self._run(source, run_name)
+        incident = source.incident(run)
+        flight = source.flight(run)
+        series = source.series(run, self._series_cache)
+        if series is None:
+            raise _not_found(f"the series of run {run.name!r} could not be read")
+        record = hints.run_record(run, incident, series, flight)
+        return {
+            "run": run.name,
+            "incident": incident,
+            "explosion": run.summary.get("explosion"),
+            "heatmap": views.heatmap(flight, incident) if flight is not None else None,
+            "hints": hints.compute_hints(record),
+        }
+
+    def step_impl(self, ctx, experiment: str, run_name: str, step: int) -> dict:
+        """The ``step`` route: the per-layer table of one recorded step."""
+        source = self._source(ctx, experiment)
+        run = self._run(source, run_name)
+        flight = source.flight(run)
+        vector = flight.vector(step) if flight is not None else None
+        origin = "flight"
+        if vector is None:
+            origin = "snapshot"
+            vector = source.layers(run, step)
+        if vector is None:
+            raise _not_found(f"step {step} of run {run.name!r} has no per-layer record")
+        return {
+            "run": run.name,
+            "step": step,
+            "source": origin,
+            "rows": views.step_rows(run.schema, vector),
+        }
+
+    # -- data access ------------------------------------------------------
+
+    def _source(self, ctx, experiment: str) -> reader.Source:
+        if self._data_provider is None:
+            raise _not_found("no data provider: TensorBoard has no log data loaded")
+        return reader.Source(self._data_provider, ctx, experiment)
+
+    @staticmethod
+    def _run(source: reader.Source, name: str) -> reader.Run:
+        found = source.run(name)
+        if found is None:
+            raise _not_found(f"no readable NaN Watch data for run {name!r}")
+        return found
+
+
+def _scope(request: wrappers.Request) -> tuple:
+    """(request context, experiment id) of a request, as TensorBoard's own
+    plugins take them."""
+    return plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)

@@ -210,11 +210,10 @@ def parse_summary(raw: object) -> tuple[dict, Schema]:
     return raw, schema
 
 
-MAX_STEP = 2**53 - 1  # the largest integer a JSON number holds exactly
-
-
 def _is_step(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEP
+    return (
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= metadata.MAX_STEP
+    )
 
 
 def _check_event(event: dict | None, key: str, fields: dict, layer_types) -> None:
@@ -517,3 +516,37 @@ def load_layers(
     except UnreadableError as error:
         _warn_once(listing.run, f"snapshot {step}: {error}")
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where runs are read from: a data provider, the request context and the
+    experiment. Binds them once for the functions of this module."""
+
+    data_provider: provider.DataProvider
+    ctx: object
+    experiment_id: str = ""
+
+    def runs(self) -> dict[str, Run]:
+        return load_runs(self.data_provider, self.ctx, self.experiment_id)
+
+    def run(self, name: str) -> Run | None:
+        return load_run(self.data_provider, self.ctx, self.experiment_id, name)
+
+    def series(self, run: Run, cache: SeriesCache | None = None) -> Series | None:
+        return load_series(self.data_provider, self.ctx, self.experiment_id, run, cache)
+
+    def flight(self, run: Run) -> Flight | None:
+        return load_flight(self.data_provider, self.ctx, self.experiment_id, run)
+
+    def incident(self, run: Run) -> dict | None:
+        """The run summary's first incident, else the incident tag's."""
+        incident = run.summary.get("first_nonfinite")
+        if incident is None:
+            incident = load_incident(self.data_provider, self.ctx, self.experiment_id, run)
+        return incident
+
+    def layers(self, run: Run, step: int) -> np.ndarray | None:
+        if step not in run.listing.snapshot_steps():
+            return None
+        return load_layers(self.data_provider, self.ctx, self.experiment_id, run, step)

@@ -12,11 +12,10 @@ import os
 
 from tensorboard import context
 
-from tb_nanwatch import hints, reader
+from tb_nanwatch import diagnosis, hints, reader
 
 EXPERIMENT_ID = ""
 logger = logging.getLogger(__name__)
-_KIND_TEXT = {"nan": "NaN", "inf": "Inf", "nan+inf": "NaN and Inf"}
 
 
 def load_provider(logdir: str):
@@ -125,24 +124,20 @@ def run_report(run: reader.Run) -> dict:
 
 def build_report(data_provider, ctx=None) -> tuple[dict, dict[str, reader.Run]]:
     """``({"runs": [...]}, runs by name)`` for every readable run."""
-    ctx = ctx or context.RequestContext()
-    runs = reader.load_runs(data_provider, ctx, EXPERIMENT_ID)
+    runs = _source(data_provider, ctx).runs()
     return {"runs": [run_report(runs[name]) for name in sorted(runs)]}, runs
 
 
 def run_hints(data_provider, run: reader.Run, ctx=None) -> list[dict]:
     """The incident-card hints of one run."""
-    ctx = ctx or context.RequestContext()
+    source = _source(data_provider, ctx)
     incident = run.summary.get("first_nonfinite")
-    record = hints.Record(
-        schema=run.schema,
-        incident=incident,
-        explosion=run.summary.get("explosion"),
-        series=reader.load_series(data_provider, ctx, EXPERIMENT_ID, run),
-        flight=reader.load_flight(data_provider, ctx, EXPERIMENT_ID, run),
-        summary=run.summary,
-    )
+    record = hints.run_record(run, incident, source.series(run), source.flight(run))
     return hints.compute_hints(record)
+
+
+def _source(data_provider, ctx) -> reader.Source:
+    return reader.Source(data_provider, ctx or context.RequestContext(), EXPERIMENT_ID)
 
 
 def format_run(run: reader.Run, run_hints: list[dict] | None = None) -> str:
@@ -152,7 +147,7 @@ def format_run(run: reader.Run, run_hints: list[dict] | None = None) -> str:
     lines = [f"run {_run_path(run.name)}: {steps} steps, {summary.get('status', '?')}"]
     incident = summary.get("first_nonfinite")
     if incident:
-        kind = _KIND_TEXT.get(str(incident.get("kind")), str(incident.get("kind")))
+        kind = diagnosis.KIND_TEXT.get(str(incident.get("kind")), str(incident.get("kind")))
         where = f"layer {incident['layer']}" if incident.get("layer") else "no layer"
         lines.append(
             f"  first non-finite: {kind} at step {incident['step']} "

@@ -15,10 +15,13 @@ from collections.abc import Iterable
 
 PHASES = ("input", "forward", "loss", "backward", "update")
 
-# Fields of each entry kind, in vector order. Every kind but "header" starts
-# with the element counts ``nan`` and ``inf``. Read a field through its name
-# (``Entry.index``, ``Schema.header_index``, ``Schema.indices``), never by a
-# numeric offset: adding a field then breaks nothing.
+# Fields of each entry kind, in vector order. Every kind but "header" has the
+# element counts ``nan`` and ``inf``, which alone decide whether the entry is
+# non-finite (the rule is ``diagnosis.is_nonfinite``; a non-finite ``norm`` or
+# ``value`` over finite elements is an overflow of the statistic, not a NaN/Inf
+# of the tensor). Read a field through its name (``Entry.index``,
+# ``Schema.header_index``, ``Schema.indices``), never by a numeric offset:
+# adding a field then breaks nothing.
 FIELDS = {
     "header": ("loss", "grad_norm", "lr", "loss_scale", "skipped", "iterations"),
     "input": ("nan", "inf", "min", "max"),
@@ -85,6 +88,10 @@ class Schema:
         """The vector positions of ``field`` in each of ``entries``."""
         return [entry.index(field) for entry in entries]
 
+    def diagnosed(self) -> list[Entry]:
+        """The entries the diagnosis looks at (all but the header), in order."""
+        return [e for e in self.entries if e.phase in PHASES]
+
     def find(self, phase: str | None = None, kind: str | None = None) -> list[Entry]:
         return [
             e
@@ -117,4 +124,4 @@ class Schema:
     def values(self, vector: Iterable[float], entry: Entry) -> dict[str, float]:
         """The named fields of ``entry`` read from ``vector``."""
         vector = list(vector) if not hasattr(vector, "__getitem__") else vector
-        return {name: float(vector[entry.offset + i]) for i, name in enumerate(entry.fields)}
+        return {name: float(vector[entry.index(name)]) for name in entry.fields}

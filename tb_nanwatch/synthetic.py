@@ -6,6 +6,8 @@ files are exactly what a watched training run writes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from tb_nanwatch.journal import JournalSettings, RunJournal
@@ -33,62 +35,96 @@ def build_schema(num_layers: int, num_inputs: int = 1) -> Schema:
     return schema
 
 
-def write_synthetic_run(
-    log_dir: str,
-    steps: int,
-    num_layers: int = 10,
-    incident_step: int | None = None,
-    incident_layer: int = 0,
-    seed: int = 0,
-    snapshot_every: int = 1000,
-) -> dict:
-    """Writes a run of ``steps`` steps; a forward NaN at ``incident_step``.
+@dataclasses.dataclass(frozen=True)
+class SyntheticRun:
+    """A synthetic run: ``steps`` steps of a chain of ``num_layers`` dense
+    layers, with a forward NaN in layer ``incident_layer`` at ``incident_step``
+    (None: a healthy run)."""
 
-    Returns the journal summary. Training stops at the incident, like
-    ``on_nonfinite="stop"``.
+    steps: int
+    num_layers: int = 10
+    incident_step: int | None = None
+    incident_layer: int = 0
+    seed: int = 0
+    snapshot_every: int = 1000
+
+    def write(self, log_dir: str) -> dict:
+        """Writes the run through a real journal; returns its summary.
+
+        Training stops at the incident, like ``on_nonfinite="stop"``.
+        """
+        schema = build_schema(self.num_layers)
+        layer_names = [e.layer for e in schema.find(kind="activation")]
+        journal = RunJournal(
+            log_dir,
+            schema,
+            {"model": "synthetic", "layers": layer_names, "framework": "synthetic"},
+            JournalSettings(snapshot_every=self.snapshot_every, flush_secs=1e9),
+        )
+        vectors = _Vectors(schema, self.steps, np.random.default_rng(self.seed))
+        status = "finished"
+        for step in range(self.steps):
+            vector = vectors.healthy(step)
+            if step == self.incident_step:
+                vectors.break_activation(vector, self.incident_layer)
+            if journal.record(step, step // 1000, step % 1000, vector) is not None:
+                status = "stopped"
+                break
+        journal.close(status)
+        return journal.summary()
+
+
+def write_synthetic_run(log_dir: str, steps: int, **options) -> dict:
+    """Writes ``SyntheticRun(steps, **options)`` to ``log_dir``; its summary."""
+    return SyntheticRun(steps, **options).write(log_dir)
+
+
+class _Vectors:
+    """Draws the per-step vectors of a synthetic run.
+
+    Vectorized, draw for draw the same values as a loop over the entries (one
+    uniform draw per min/max entry and per norm/value entry, in entry order,
+    then the loss and the gradient norm): fast enough for the 100,000-step,
+    200-layer benchmark run.
     """
-    rng = np.random.default_rng(seed)
-    schema = build_schema(num_layers)
-    layer_names = [e.layer for e in schema.find(kind="activation")]
-    journal = RunJournal(
-        log_dir,
-        schema,
-        {"model": "synthetic", "layers": layer_names, "framework": "synthetic"},
-        JournalSettings(snapshot_every=snapshot_every, flush_secs=1e9),
-    )
-    header = schema.header().offset
-    activations = schema.find(kind="activation")
-    status = "finished"
-    # Vectorized, draw for draw the same values as a loop over the entries
-    # (one uniform draw per min/max entry and per norm/value entry, in entry
-    # order, then the loss and the gradient norm): fast enough for the
-    # 100,000-step, 200-layer benchmark run.
-    drawn = [
-        (e.offset, e.kind in ("activation", "input", "logits"))
-        for e in schema.entries
-        if e.kind in ("activation", "input", "logits", "grad_out", "grad_var", "grad_in", "loss")
-    ]
-    spread_draw = np.array([i for i, (_, spread) in enumerate(drawn) if spread], np.intp)
-    spread_at = np.array([o + 2 for o, spread in drawn if spread], np.intp)
-    norm_draw = np.array([i for i, (_, spread) in enumerate(drawn) if not spread], np.intp)
-    norm_at = np.array([o + 2 for o, spread in drawn if not spread], np.intp)
-    for step in range(steps):
-        vector = np.zeros(schema.size, np.float32)
-        draws = rng.random(len(drawn) + 2)
-        spread = 1.0 + draws[spread_draw]
-        vector[spread_at] = -spread
-        vector[spread_at + 1] = spread
-        vector[norm_at] = 0.1 + 0.01 * draws[norm_draw]
-        loss = 2.0 * np.exp(-step / max(steps, 1)) + 0.05 * draws[-2]
-        vector[header : header + 6] = (loss, 1.0 + draws[-1], 1e-3, 0.0, 0.0, step)
-        if step == incident_step:
-            entry = activations[incident_layer]
-            vector[entry.offset] = 3.0
-            vector[entry.offset + 2 : entry.offset + 4] = np.nan
-            vector[header] = np.nan
-        incident = journal.record(step, step // 1000, step % 1000, vector)
-        if incident is not None:
-            status = "stopped"
-            break
-    journal.close(status)
-    return journal.summary()
+
+    SPREAD_KINDS = ("activation", "input", "logits")
+    SCALAR_FIELD = {"grad_out": "norm", "grad_var": "norm", "grad_in": "norm", "loss": "value"}
+
+    def __init__(self, schema: Schema, steps: int, rng: np.random.Generator) -> None:
+        self.schema = schema
+        self.steps = steps
+        self.rng = rng
+        drawn = [
+            e for e in schema.entries if e.kind in self.SPREAD_KINDS + tuple(self.SCALAR_FIELD)
+        ]
+        spread = [i for i, e in enumerate(drawn) if e.kind in self.SPREAD_KINDS]
+        scalar = [i for i, e in enumerate(drawn) if e.kind not in self.SPREAD_KINDS]
+        self.draws = len(drawn)
+        self.spread_draw = np.array(spread, np.intp)
+        self.min_at = np.array(schema.indices([drawn[i] for i in spread], "min"), np.intp)
+        self.max_at = np.array(schema.indices([drawn[i] for i in spread], "max"), np.intp)
+        self.scalar_draw = np.array(scalar, np.intp)
+        self.scalar_at = np.array(
+            [drawn[i].index(self.SCALAR_FIELD[drawn[i].kind]) for i in scalar], np.intp
+        )
+        header = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "iterations")
+        self.header_at = np.array([schema.header_index(f) for f in header], np.intp)
+
+    def healthy(self, step: int) -> np.ndarray:
+        vector = np.zeros(self.schema.size, np.float32)
+        draws = self.rng.random(self.draws + 2)
+        spread = 1.0 + draws[self.spread_draw]
+        vector[self.min_at] = -spread
+        vector[self.max_at] = spread
+        vector[self.scalar_at] = 0.1 + 0.01 * draws[self.scalar_draw]
+        loss = 2.0 * np.exp(-step / max(self.steps, 1)) + 0.05 * draws[-2]
+        vector[self.header_at] = (loss, 1.0 + draws[-1], 1e-3, 0.0, 0.0, step)
+        return vector
+
+    def break_activation(self, vector: np.ndarray, layer: int) -> None:
+        """Three NaN elements in the output of activation ``layer``, and a NaN loss."""
+        entry = self.schema.find(kind="activation")[layer]
+        vector[entry.index("nan")] = 3.0
+        vector[[entry.index("min"), entry.index("max")]] = np.nan
+        vector[self.schema.header_index("loss")] = np.nan

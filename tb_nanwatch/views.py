@@ -7,6 +7,7 @@ Values are plain Python (``.tolist()``/``float()``), so TensorBoard's
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -121,20 +122,15 @@ def timeline(
     }
 
 
-def entry_nonfinite(schema: Schema, vector: np.ndarray, entry: Entry) -> bool:
-    """Non-zero NaN/Inf counts, or a non-finite norm/value field."""
-    values = schema.values(vector, entry)
-    if diagnosis.nonfinite_kind(values["nan"], values["inf"]) is not None:
-        return True
-    return any(not math.isfinite(values[name]) for name in ("norm", "value") if name in values)
-
-
 def step_rows(schema: Schema, vector: np.ndarray) -> list[dict]:
-    """The per-layer table of one step, in diagnosis order (header left out)."""
+    """The per-layer table of one step, in diagnosis order (header left out).
+
+    A row's ``nan``/``inf`` counts are exactly what the diagnosis reads
+    (``diagnosis.is_nonfinite``): the frontend marks a row non-finite when
+    one of them is non-zero.
+    """
     rows = []
-    for entry in schema.entries:
-        if entry.kind == "header":
-            continue
+    for entry in schema.diagnosed():
         values = schema.values(vector, entry)
         row: dict = {
             "phase": entry.phase,
@@ -163,45 +159,60 @@ def heatmap_layers(schema: Schema) -> list[str]:
     return list(dict.fromkeys(forward + rest))
 
 
-def heatmap(flight: Flight, incident: dict | None) -> dict:
-    """Per-layer, per-step view of the flight-recorder window."""
-    schema = flight.schema
-    layers = heatmap_layers(schema)
-    forward: dict[str, list[Entry]] = {name: [] for name in layers}
-    grads: dict[str, list[Entry]] = {name: [] for name in layers}
-    owned: dict[str, list[Entry]] = {name: [] for name in layers}
-    for entry in schema.entries:
-        if entry.layer not in owned or entry.phase in ("header", "input"):
+@dataclasses.dataclass
+class _LayerEntries:
+    """The entries of one heatmap row (one layer)."""
+
+    activations: list[Entry] = dataclasses.field(default_factory=list)
+    output_grads: list[Entry] = dataclasses.field(default_factory=list)
+    owned: list[Entry] = dataclasses.field(default_factory=list)
+
+    def cells(self, schema: Schema, vector: np.ndarray) -> tuple[float | None, float | None, int]:
+        """(forward max |x|, gradient norm, non-finite 0|1) of one step."""
+        forward = None
+        if self.activations:
+            forward = max(
+                (max_abs(*_min_max(schema, vector, e)) for e in self.activations),
+                key=lambda v: math.inf if math.isnan(v) else v,
+            )
+        grad = None
+        if self.output_grads:
+            grad = _py(schema.values(vector, self.output_grads[0])["norm"])
+        nonfinite = any(diagnosis.entry_nonfinite(vector, e) for e in self.owned)
+        return forward, grad, 1 if nonfinite else 0
+
+
+def _layer_entries(schema: Schema, layers: list[str]) -> dict[str, _LayerEntries]:
+    by_layer = {name: _LayerEntries() for name in layers}
+    for entry in schema.diagnosed():
+        if entry.layer not in by_layer or entry.phase == "input":
             continue
         if entry.kind == "logits":
             continue  # named by model output, not by layer path
-        owned[entry.layer].append(entry)
+        row = by_layer[entry.layer]
+        row.owned.append(entry)
         if entry.kind == "activation":
-            forward[entry.layer].append(entry)
+            row.activations.append(entry)
         elif entry.kind == "grad_out":
-            grads[entry.layer].append(entry)
+            row.output_grads.append(entry)
+    return by_layer
+
+
+def heatmap(flight: Flight, incident: dict | None) -> dict:
+    """Per-layer, per-step view of the flight-recorder window.
+
+    A cell is non-finite exactly when one of the layer's entries is
+    (``diagnosis.entry_nonfinite``), the rule that finds the incident.
+    """
+    schema = flight.schema
+    layers = heatmap_layers(schema)
+    by_layer = _layer_entries(schema, layers)
     forward_max_abs, grad_norm, nonfinite = [], [], []
     for name in layers:
-        fwd_row, grad_row, bad_row = [], [], []
-        for vector in flight.matrix:
-            if forward[name]:
-                fwd_row.append(
-                    max(
-                        (max_abs(*_min_max(schema, vector, e)) for e in forward[name]),
-                        key=lambda v: math.inf if math.isnan(v) else v,
-                    )
-                )
-            else:
-                fwd_row.append(None)
-            if grads[name]:
-                grad_row.append(_py(schema.values(vector, grads[name][0])["norm"]))
-            else:
-                grad_row.append(None)
-            bad = any(entry_nonfinite(schema, vector, e) for e in owned[name])
-            bad_row.append(1 if bad else 0)
-        forward_max_abs.append(fwd_row)
-        grad_norm.append(grad_row)
-        nonfinite.append(bad_row)
+        cells = [by_layer[name].cells(schema, vector) for vector in flight.matrix]
+        forward_max_abs.append([c[0] for c in cells])
+        grad_norm.append([c[1] for c in cells])
+        nonfinite.append([c[2] for c in cells])
     origin = None
     if incident:
         origin = {

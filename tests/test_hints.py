@@ -155,7 +155,7 @@ LOGITS = entry("forward", "logits", LAYERS[-1])
 
 
 def saturated(step, vector, low=-31.0, high=2.0):
-    vector[LOGITS.offset + 2 : LOGITS.offset + 4] = (low, high)
+    vector[[LOGITS.index("min"), LOGITS.index("max")]] = (low, high)
 
 
 def test_saturated_output_fires_from_the_flight_window():
@@ -209,16 +209,16 @@ def test_saturated_output_does_not_fire_without_support(case):
 INPUT = entry("input", "input", "input_0")
 
 
-def bad_input(step, vector):
+def nonfinite_input(step, vector):
     if step == 30:
-        vector[INPUT.offset] = 2.0
+        vector[INPUT.index("nan")] = 2.0
 
 
 def test_input_nonfinite_names_the_input():
     rec = hints.Record(
         SCHEMA,
         incident(30, "input", "input_0", tensor="model input input_0"),
-        flight=flight(20, 30, bad_input),
+        flight=flight(20, 30, nonfinite_input),
     )
     hint = only(rec, "input_nonfinite")
     assert hint["evidence"]["input"] == "input_0"
@@ -245,7 +245,7 @@ UPDATE = incident(40, "update", LAYERS[1], tensor=f"{LAYERS[1]}/kernel after upd
 
 
 def zero_grad(step, vector):
-    vector[GRAD_VAR.offset + 2] = 0.0
+    vector[GRAD_VAR.index("norm")] = 0.0
 
 
 def test_adam_epsilon_fires_on_a_zero_gradient():
@@ -293,7 +293,7 @@ def test_backward_origin_uses_the_series_without_a_window():
 
 def forward_nan(step, vector):
     activation = entry("forward", "activation", LAYERS[0])
-    vector[activation.offset] = 1.0
+    vector[activation.index("nan")] = 1.0
 
 
 @pytest.mark.parametrize("case", ["forward_nonfinite", "loss_scaler_streak", "nan_loss", "no_data"])

@@ -133,13 +133,16 @@ def write_flushed_run(run_dir: str, steps=400, incident_step=300, flush_every=50
     journal = RunJournal(
         run_dir, schema, {"model": "flushed"}, JournalSettings(flush_secs=1e9, snapshot_every=100)
     )
-    header = schema.header().offset
+    header = [
+        schema.header_index(f)
+        for f in ("loss", "grad_norm", "lr", "loss_scale", "skipped", "iterations")
+    ]
     activation = schema.find(kind="activation")[1]
     for step in range(steps):
         vector = np.zeros(schema.size, np.float32)
-        vector[header : header + 6] = (1.0 / (step + 1), 1.0, 1e-3, 0.0, 0.0, step)
+        vector[header] = (1.0 / (step + 1), 1.0, 1e-3, 0.0, 0.0, step)
         if step == incident_step:
-            vector[activation.offset] = 2.0
+            vector[activation.index("nan")] = 2.0
         journal.record(step, 0, step, vector)
         if step % flush_every == flush_every - 1:
             journal.flush()
@@ -426,11 +429,11 @@ logdir, tag = sys.argv[1], sys.argv[2]
 schema = build_schema(3)
 journals = [RunJournal(os.path.join(logdir, name), schema, {"model": tag}, JournalSettings(flush_secs=0.05))
             for name in (f"{tag}_0", f"{tag}_1", "shared")]
-header = schema.header().offset
+header = [schema.header_index(f) for f in ("loss", "grad_norm", "lr", "loss_scale", "skipped", "iterations")]
 for step in range(1500):
     for journal in journals:
         vector = np.zeros(schema.size, np.float32)
-        vector[header : header + 6] = (1.0, 1.0, 1e-3, 0.0, 0.0, step)
+        vector[header] = (1.0, 1.0, 1e-3, 0.0, 0.0, step)
         journal.record(step, 0, step, vector)
     if step % 100 == 0:
         time.sleep(0.02)

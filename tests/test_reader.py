@@ -62,7 +62,7 @@ def test_snapshots_and_unrecorded_steps(mux):
     assert run.listing.snapshot_steps() == [0, 1000, 2000]
     vector = reader.load_layers(mux, CTX, "", run, 1000)
     assert vector.shape == (run.schema.size,)
-    assert vector[run.schema.header().offset + 5] == 1000  # iterations
+    assert vector[run.schema.header_index("iterations")] == 1000
     assert reader.load_layers(mux, CTX, "", run, 1001) is None
     assert reader.load_flight(mux, CTX, "", run) is None
     assert reader.load_incident(mux, CTX, "", run) is None
@@ -274,11 +274,42 @@ def test_decode_json_keeps_nan_and_infinity():
     assert np.isnan(decoded["a"]) and decoded["b"] == np.inf and decoded["c"] == -np.inf
 
 
-def test_plugin_path_imports_no_tensorflow():
+# Modules that must work where TensorFlow is not installed: the plugin (a
+# broken import stops TensorBoard itself), the reader side, the CLI, and the
+# TensorFlow-free half of the write side.
+NO_TENSORFLOW_MODULES = (
+    "reader",
+    "views",
+    "hints",
+    "journal",
+    "diagnosis",
+    "schema",
+    "metadata",
+    "event_writer",
+    "synthetic",
+    "crash_safety",
+    "export",
+    "report",
+    "cli",
+    "plugin",
+)
+
+
+@pytest.mark.parametrize("module", NO_TENSORFLOW_MODULES)
+def test_module_imports_no_tensorflow(module):
     code = (
         "import sys\n"
-        "import tb_nanwatch.plugin, tb_nanwatch.reader, tb_nanwatch.hints\n"
-        "import tb_nanwatch.views, tb_nanwatch.report, tb_nanwatch.cli\n"
+        f"import tb_nanwatch.{module}\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]\n"
+        "assert not bad, bad[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_plugin_serves_its_routes_without_tensorflow():
+    code = (
+        "import sys\n"
+        "import tb_nanwatch.plugin\n"
         "from tensorboard.plugins import base_plugin\n"
         "tb_nanwatch.plugin.NanWatchPlugin(base_plugin.TBContext()).get_plugin_apps()\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]\n"

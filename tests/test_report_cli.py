@@ -20,16 +20,15 @@ INCIDENT_KEYS = {"step", "phase", "layer", "tensor", "kind"}
 
 
 def _skips(step, vector, schema):
-    header = schema.header().offset
-    vector[header + 3] = 1024.0  # loss scale
+    vector[schema.header_index("loss_scale")] = 1024.0
     if step in (5, 6, 7, 12):
-        vector[header + 4] = 1.0  # skipped by the loss scaler
-        vector[header + 1] = float("inf")  # scaled gradient norm
+        vector[schema.header_index("skipped")] = 1.0  # by the loss scaler
+        vector[schema.header_index("grad_norm")] = float("inf")  # of the scaled gradients
 
 
 def _explodes(step, vector, schema):
     if step >= 100:
-        vector[schema.header().offset] = 1e5
+        vector[schema.header_index("loss")] = 1e5
 
 
 @pytest.fixture(scope="module")

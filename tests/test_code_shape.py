@@ -1,0 +1,66 @@
+"""The read side stays readable: no function over 60 lines or 6 parameters.
+
+The project's rule covers all of ``tb_nanwatch/`` (public constructors
+excepted); this test holds the modules that have been brought under it.
+``self``/``cls`` are not counted as parameters.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tb_nanwatch"
+MAX_LINES = 60
+MAX_PARAMETERS = 6
+CHECKED_MODULES = (
+    "cli",
+    "diagnosis",
+    "export",
+    "hints",
+    "journal",
+    "metadata",
+    "plugin",
+    "reader",
+    "report",
+    "schema",
+    "synthetic",
+    "views",
+)
+
+
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    args = function.args
+    names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+    names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+    return [name for name in names if name not in ("self", "cls")]
+
+
+def oversized_functions(source: str) -> list[str]:
+    """``name: why`` for each function of ``source`` over the limits."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        lines = node.end_lineno - node.lineno + 1
+        parameters = len(_parameters(node))
+        if lines > MAX_LINES or parameters > MAX_PARAMETERS:
+            found.append(
+                f"{node.name} (line {node.lineno}): {lines} lines, {parameters} parameters"
+            )
+    return found
+
+
+def test_the_check_finds_a_long_function_and_a_wide_one():
+    long_body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))
+    source = f"def long():\n{long_body}\n\ndef wide(self, a, b, c, d, e, f, g):\n    pass\n"
+    found = oversized_functions(source)
+    assert [f.split(" ")[0] for f in found] == ["long", "wide"]
+
+
+@pytest.mark.parametrize("module", CHECKED_MODULES)
+def test_functions_are_short_and_take_few_parameters(module):
+    source = (PACKAGE / f"{module}.py").read_text(encoding="utf-8")
+    assert oversized_functions(source) == []
