@@ -38,54 +38,25 @@ Example::
 from __future__ import annotations
 
 import logging
-import posixpath
 import sys
-import uuid
-import warnings
 
 import keras
-import tensorflow as tf
 
-from tb_nanwatch.host import (
-    WatchHost,
-    WatchOptions,
-    base_run_info,
-)
+from tb_nanwatch import train_step
 from tb_nanwatch.journal import RunJournal
-from tb_nanwatch.recorder import ROW_KEY, StepRecorder
+from tb_nanwatch.recorder import StepRecorder
+from tb_nanwatch.session import (
+    NonFiniteError,
+    WatchOptions,
+    WatchSession,
+    base_run_info,
+    check_writable,
+    warn_stopped_watching,
+)
+
+__all__ = ["NanWatch", "NonFiniteError"]
 
 logger = logging.getLogger("tb_nanwatch")
-
-
-class NonFiniteError(RuntimeError):
-    """Raised by ``on_nonfinite="raise"``; ``.incident`` holds the diagnosis."""
-
-    def __init__(self, incident: dict) -> None:
-        super().__init__(describe_incident(incident))
-        self.incident = incident
-
-
-def describe_incident(incident: dict) -> str:
-    return (
-        f"first non-finite value at step {incident['step']} "
-        f"(epoch {incident.get('epoch')}, batch {incident.get('batch')}): "
-        f"phase={incident['phase']} layer={incident['layer']} "
-        f"tensor={incident['tensor']!r} kind={incident['kind']}"
-    )
-
-
-def check_writable(log_dir: str, argument: str = "log_dir") -> None:
-    """Raises ValueError naming ``argument`` unless ``log_dir`` can be written."""
-    if not isinstance(log_dir, str) or not log_dir:
-        raise ValueError(f"{argument} must be a non-empty path string, got {log_dir!r}")
-    probe = posixpath.join(log_dir, f".nanwatch-write-test-{uuid.uuid4().hex}")
-    try:
-        tf.io.gfile.makedirs(log_dir)
-        with tf.io.gfile.GFile(probe, "w") as f:
-            f.write("ok")
-        tf.io.gfile.remove(probe)
-    except Exception as error:  # noqa: BLE001 - any failure means "not writable"
-        raise ValueError(f"{argument} {log_dir!r} is not writable: {error}") from None
 
 
 class NanWatch(keras.callbacks.Callback):
@@ -131,24 +102,22 @@ class NanWatch(keras.callbacks.Callback):
         min_loss_scale: float = 1.0,
     ) -> None:
         super().__init__()
-        self.options = WatchOptions(
-            on_nonfinite=on_nonfinite,
-            window=window,
-            max_consecutive_skips=max_consecutive_skips,
-            min_loss_scale=min_loss_scale,
-            snapshot_every=snapshot_every,
-            flush_secs=flush_secs,
-            pre_step_weights=pre_step_weights,
-            explosion_factor=explosion_factor,
-        )
+        self.options = WatchOptions.from_arguments(locals())
         check_writable(log_dir)
         self.log_dir = log_dir
-        self.incident: dict | None = None
-        self.journal: RunJournal | None = None
         self._recorder: StepRecorder | None = None
-        self._host: WatchHost | None = None
-        self._disabled = False
+        self._session: WatchSession | None = None
         self._siblings: list = []
+
+    @property
+    def incident(self) -> dict | None:
+        """The first incident of the last ``fit``, or None."""
+        return self._session.incident if self._session is not None else None
+
+    @property
+    def journal(self) -> RunJournal | None:
+        """The record of the last ``fit`` (None until its first step)."""
+        return self._session.journal if self._session is not None else None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -159,25 +128,17 @@ class NanWatch(keras.callbacks.Callback):
                 "model must be compiled with an optimizer before fit() with NanWatch "
                 "(call model.compile(optimizer=..., loss=...))"
             )
-        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-        if type(model).train_step is not TensorFlowTrainer.train_step:
-            self._disable(
+        if self._session is not None:  # crash safety: the previous fit raised and
+            self._session.close("raised")  # Keras skipped on_train_end; see crash_safety
+        self._session = None
+        if train_step.overrides_train_step(model):
+            warn_stopped_watching(
                 f"{type(model).__name__} overrides train_step, which NanWatch cannot "
                 "instrument from outside; nothing is watched. Use tb_nanwatch.StepWatcher "
                 "inside your train_step instead."
             )
             return
         self._siblings = _sibling_callbacks(self)
-        self.incident = None
-        if self.journal is not None:  # crash safety: the previous fit raised and
-            try:  # Keras skipped on_train_end; see tb_nanwatch.crash_safety
-                self.journal.close("raised")
-            except Exception as error:  # noqa: BLE001
-                warnings.warn(
-                    f"NanWatch could not close the previous record: {error!r}", stacklevel=2
-                )
-        self.journal = None
         try:
             self._recorder = StepRecorder(
                 model,
@@ -185,89 +146,35 @@ class NanWatch(keras.callbacks.Callback):
                 pre_step_weights=self.options.pre_step_weights,
             )
             self._recorder.install()
-            self._host = WatchHost(
-                self.log_dir,
-                self._recorder,
-                self.options,
-                base_run_info(self._recorder, model, model.optimizer, self.options),
-                lambda: model.trainable_weights,
+            run_info = base_run_info(self._recorder, model, model.optimizer, self.options)
+            self._session = WatchSession(
+                self.log_dir, self._recorder, self.options, run_info, self._restore_model
             )
-            object.__setattr__(model, "train_step", self._recorder.keras_train_step)
-            model.make_train_function(force=True)
-            model.train_function = _handing_over(model.train_function, self._recorder)
+            train_step.instrument(model, self._recorder)
         except Exception as error:  # noqa: BLE001 - never break the user's fit
             self._restore_model()
-            self._disable(f"could not instrument the train step: {error!r}")
+            warn_stopped_watching(f"could not instrument the train step: {error!r}")
+            self._session = None
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
-        if self._host is not None:
-            self._host.begin_epoch(epoch)
+        if self._session is not None:
+            self._session.begin_epoch(epoch)
 
     def on_train_batch_end(self, batch, logs=None) -> None:
-        if self._disabled or self._recorder is None:
+        # With steps_per_execution > 1 this runs once per execution and
+        # records every step of it.
+        session = self._session
+        if session is None or session.end_step() is None:
             return
-        if self._recorder.trace_error is not None:
-            self._disable(f"could not build its statistics: {self._recorder.trace_error!r}")
-            return
-        incident = None
-        try:
-            incident = self._record_new_steps()
-        except Exception as error:  # noqa: BLE001
-            self._disable(f"recording failed: {error!r}")
-            return
-        if incident is not None:
-            self._on_incident(incident)
+        if session.stops_training:
+            self._protect_siblings(session.incident)
+            self.model.stop_training = True
+        session.raise_if_asked(session.incident)
 
     def on_train_end(self, logs=None) -> None:
         self._restore_model()
-        if self.journal is not None:
-            status = (
-                "stopped" if self.incident and self.options.on_nonfinite == "stop" else "finished"
-            )
-            try:
-                self.journal.close(status)
-            except Exception as error:  # noqa: BLE001
-                self._disable(f"could not close the record: {error!r}")
-
-    # -- recording -------------------------------------------------------------
-
-    def _record_new_steps(self) -> dict | None:
-        # With steps_per_execution > 1 this runs once per execution and
-        # records every step of it (the device buffer holds one row a step).
-        host = self._host
-        opened = host.journal is not None
-        incident = host.record_new_steps()
-        self.journal = host.journal
-        if not opened and host.journal is not None:
-            not_watched = self._recorder.not_watched()
-            if not_watched:
-                logger.warning(
-                    "NanWatch does not watch these layers one by one (their calls run inside "
-                    "an inner loop or function, e.g. an RNN cell, or they were not called in "
-                    "training); the layer around them is watched: %s",
-                    ", ".join(not_watched),
-                )
-        return incident
-
-    def _on_incident(self, incident: dict) -> None:
-        self.incident = incident
-        try:
-            self._host.save_bundle(incident)
-        except Exception as error:  # noqa: BLE001
-            warnings.warn(
-                f"NanWatch could not save the reproduction bundle: {error!r}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        print(f"NanWatch: {describe_incident(incident)}", file=sys.stderr)
-        if self.options.on_nonfinite == "stop":
-            self._protect_siblings(incident)
-            self.model.stop_training = True
-        elif self.options.on_nonfinite == "raise":
-            self._restore_model()
-            if self.journal is not None:
-                self.journal.close("raised")
-            raise NonFiniteError(incident)
+        if self._session is not None:
+            self._session.close()
 
     def _protect_siblings(self, incident: dict) -> None:
         """Keeps BackupAndRestore's last good backup when we stop training.
@@ -285,35 +192,10 @@ class NanWatch(keras.callbacks.Callback):
                     incident["step"],
                 )
 
-    # -- failure handling --------------------------------------------------------
-
-    def _disable(self, reason: str) -> None:
-        if not self._disabled:
-            warnings.warn(f"NanWatch stopped watching: {reason}", RuntimeWarning, stacklevel=2)
-        self._disabled = True
-        self._restore_model()
-
     def _restore_model(self) -> None:
-        model = self.model
-        if model is not None and "train_step" in model.__dict__:
-            del model.__dict__["train_step"]
-            model.make_train_function(force=True)
+        train_step.restore(self.model)
         if self._recorder is not None:
             self._recorder.uninstall()
-
-
-def _handing_over(train_function, recorder: StepRecorder):
-    """Wraps Keras' train function: the step's row, returned under
-    ``ROW_KEY``, goes to the recorder and never reaches the logs."""
-
-    def train_function_without_row(iterator):
-        logs = train_function(iterator)
-        if isinstance(logs, dict) and ROW_KEY in logs:
-            logs = dict(logs)
-            recorder.hand_over(logs.pop(ROW_KEY))
-        return logs
-
-    return train_function_without_row
 
 
 def _sibling_callbacks(callback: keras.callbacks.Callback) -> list:

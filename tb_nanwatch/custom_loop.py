@@ -46,15 +46,20 @@ reproduction bundle, from a few added lines in your own step::
 
 from __future__ import annotations
 
-import sys
-import warnings
-
 import keras
 import tensorflow as tf
 
-from tb_nanwatch.callback import NonFiniteError, check_writable, describe_incident
-from tb_nanwatch.host import WatchHost, WatchOptions, _positive_int, base_run_info
-from tb_nanwatch.recorder import StepRecorder
+from tb_nanwatch.journal import RunJournal
+from tb_nanwatch.phase_stats import StepInputs
+from tb_nanwatch.recorder import PendingStep, StepRecorder
+from tb_nanwatch.session import (
+    NonFiniteError,
+    WatchOptions,
+    WatchSession,
+    base_run_info,
+    check_writable,
+    positive_int,
+)
 from tb_nanwatch.taps import StepTrace
 
 __all__ = ["StepWatcher", "StepRecording", "NonFiniteError"]
@@ -97,32 +102,22 @@ class StepWatcher:
         pre_step_weights: str = "on_suspect",
         explosion_factor: float = 1e3,
     ) -> None:
+        options = WatchOptions.from_arguments(locals())
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}")
-        self.options = WatchOptions(
-            on_nonfinite=on_nonfinite,
-            window=window,
-            max_consecutive_skips=max_consecutive_skips,
-            min_loss_scale=min_loss_scale,
-            snapshot_every=snapshot_every,
-            flush_secs=flush_secs,
-            pre_step_weights=pre_step_weights,
-            explosion_factor=explosion_factor,
-        )
-        _positive_int("steps_per_execution", steps_per_execution)
+        positive_int("steps_per_execution", steps_per_execution)
         check_writable(log_dir)
+        self.options = options
         self.model = model
         self.optimizer = optimizer
         self.recorder = StepRecorder(
             model, steps_per_execution=steps_per_execution, pre_step_weights=pre_step_weights
         )
         self.recorder.install()
-        info = base_run_info(self.recorder, model, optimizer, self.options)
+        info = base_run_info(self.recorder, model, optimizer, options)
         info["loop"] = "custom"
-        self.host = WatchHost(log_dir, self.recorder, self.options, info, lambda: [])
-        self.log_dir = self.host.log_dir
-        self._disabled = False
-        self._closed = False
+        self.session = WatchSession(log_dir, self.recorder, options, info, self.recorder.uninstall)
+        self.log_dir = self.session.log_dir
 
     # -- in the compiled step ------------------------------------------------
 
@@ -141,15 +136,15 @@ class StepWatcher:
 
     @property
     def incident(self) -> dict | None:
-        return self.host.incident
+        return self.session.incident
 
     @property
-    def journal(self):
-        return self.host.journal
+    def journal(self) -> RunJournal | None:
+        return self.session.journal
 
     def begin_epoch(self, epoch: int) -> None:
         """Optional: label the following steps with ``epoch`` (batch from 0)."""
-        self.host.begin_epoch(epoch)
+        self.session.begin_epoch(epoch)
 
     def end_step(self) -> bool:
         """Records the steps that ran since the last call (one device read).
@@ -158,46 +153,18 @@ class StepWatcher:
         raises :class:`NonFiniteError` with ``"raise"``. Never raises for a
         failure of the watcher itself: it warns once and stops watching.
         """
-        if self._disabled or self._closed:
-            return False
-        if self.recorder.trace_error is not None:
-            self._disable(f"could not build its statistics: {self.recorder.trace_error!r}")
-            return False
-        opened = self.host.journal is not None
-        try:
-            incident = self.host.record_new_steps()
-        except Exception as error:  # noqa: BLE001 - never break the user's loop
-            self._disable(f"recording failed: {error!r}")
-            return False
-        if not opened and self.host.journal is not None:
-            _warn_not_watched(self.recorder.not_watched())
+        incident = self.session.end_step()
         if incident is None:
             return False
-        try:
-            self.host.save_bundle(incident)
-        except Exception as error:  # noqa: BLE001
-            warnings.warn(
-                f"NanWatch could not save the reproduction bundle: {error!r}", stacklevel=2
-            )
-        print(f"NanWatch: {describe_incident(incident)}", file=sys.stderr)
-        if self.options.on_nonfinite == "raise":
-            self.close("raised")
-            raise NonFiniteError(incident)
-        return self.options.on_nonfinite == "stop"
+        self.session.raise_if_asked(incident)
+        return self.session.stops_training
 
     def close(self, status: str | None = None) -> None:
         """Writes the final run summary and releases the layers' wrappers."""
-        if self._closed:
+        if self.session.closed:
             return
-        self._closed = True
         self.recorder.uninstall()
-        if status is None:
-            stopped = self.incident is not None and self.options.on_nonfinite == "stop"
-            status = "stopped" if stopped else "finished"
-        try:
-            self.host.close(status)
-        except Exception as error:  # noqa: BLE001
-            warnings.warn(f"NanWatch could not close the record: {error!r}", stacklevel=2)
+        self.session.close(status)
 
     def __enter__(self) -> StepWatcher:
         return self
@@ -215,12 +182,6 @@ class StepWatcher:
         """
         return _WatcherCallback(self)
 
-    def _disable(self, reason: str) -> None:
-        if not self._disabled:
-            warnings.warn(f"NanWatch stopped watching: {reason}", RuntimeWarning, stacklevel=3)
-        self._disabled = True
-        self.recorder.uninstall()
-
 
 class _Forward:
     def __init__(self, watcher: StepWatcher, tape, x, y, data) -> None:
@@ -230,8 +191,8 @@ class _Forward:
         self._recording = None
 
     def __enter__(self) -> StepRecording:
-        recorder = self.watcher.recorder
-        if not recorder.taps._installed and not (self.watcher._disabled or self.watcher._closed):
+        recorder, session = self.watcher.recorder, self.watcher.session
+        if not recorder.taps.installed and not (session.disabled or session.closed):
             recorder.install()
         self._recording = recorder.taps.recording(self.tape)
         trace = self._recording.__enter__()
@@ -256,7 +217,7 @@ class StepRecording:
         self.y_pred = None
         self.total_loss = None
         self.variables: list | None = None
-        self._builder = None
+        self._pending: PendingStep | None = None
 
     @_no_autograph
     def loss(self, value, y_pred=None, outputs: dict | None = None):
@@ -283,43 +244,37 @@ class StepRecording:
         """Records input..backward statistics; returns the variables' gradients."""
         if self.variables is None:
             raise ValueError("call rec.sources(variables) and differentiate w.r.t. its result")
+        recorder = self.watcher.recorder
         all_grads = list(all_grads)
         n = len(self.variables)
-        if len(all_grads) != n + len(self.watcher.recorder.watched_tensors(self.trace)):
+        if len(all_grads) != n + len(recorder.watched_tensors(self.trace)):
             raise ValueError(
                 "rec.gradients() needs the gradients of every tensor rec.sources() returned"
             )
-        recorder = self.watcher.recorder
         if self.total_loss is None:
             recorder.trace_error = ValueError("rec.loss(...) was not called in the step")
             return all_grads[:n]
-        try:
-            self._builder = recorder.before_update(
-                self.trace,
-                self.x,
-                self.y,
-                self.y_pred if self.y_pred is not None else [],
-                self.total_loss,
-                self.variables,
-                all_grads,
-                self.watcher.optimizer,
-                self.data,
-                self.watcher.model,
-            )
-        except Exception as error:  # noqa: BLE001
-            recorder.trace_error = error
-            self._builder = None
+        inputs = StepInputs(
+            trace=self.trace,
+            x=self.x,
+            y=self.y,
+            y_pred=self.y_pred if self.y_pred is not None else [],
+            loss=self.total_loss,
+            weights=self.variables,
+            grads=all_grads,
+            optimizer=self.watcher.optimizer,
+            data=self.data,
+            model=self.watcher.model,
+        )
+        self._pending = recorder.guarded(recorder.before_update, inputs)
         return all_grads[:n]
 
     @_no_autograph
     def after_update(self) -> None:
         """Records the weights after the update and writes the step's row."""
-        if self._builder is None:
-            return
-        try:
-            self.watcher.recorder.after_update(self._builder, self.variables, self.watcher.model)
-        except Exception as error:  # noqa: BLE001
-            self.watcher.recorder.trace_error = error
+        if self._pending is not None:
+            recorder = self.watcher.recorder
+            recorder.guarded(recorder.after_update, self._pending, self.variables)
 
 
 class _WatcherCallback(keras.callbacks.Callback):
@@ -336,14 +291,3 @@ class _WatcherCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None) -> None:
         self.watcher.close()
-
-
-def _warn_not_watched(not_watched: list[str]) -> None:
-    if not_watched:
-        warnings.warn(
-            "NanWatch does not watch these layers one by one (their calls run inside an "
-            "inner loop or function, e.g. an RNN cell, or they were not called in the step); "
-            "the layer around them is watched: " + ", ".join(not_watched),
-            RuntimeWarning,
-            stacklevel=3,
-        )

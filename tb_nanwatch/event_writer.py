@@ -37,7 +37,7 @@ class RunWriter:
 
     def __init__(self, log_dir: str, filename_suffix: str = ".nanwatch") -> None:
         self.log_dir = log_dir
-        # flush_secs is large: flushing is driven explicitly by the recorder.
+        # flush_secs is large: flushing is driven explicitly by the journal.
         self._writer = EventFileWriter(
             log_dir, max_queue_size=64, flush_secs=3600, filename_suffix=filename_suffix
         )

@@ -136,7 +136,7 @@ def _in_xla() -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
-def exact_bad_count(fields: dict) -> tf.Tensor:
+def exact_nonfinite_count(fields: dict) -> tf.Tensor:
     """The exact NaN + Inf count of an entry's fields, built afresh here
     (call it inside a ``tf.cond`` branch to pay for it only in that branch)."""
     counts = []
@@ -207,9 +207,9 @@ def held_if_non_finite(t: tf.Tensor, trigger: tf.Tensor) -> tf.Tensor:
     if tf.executing_eagerly() or _in_xla() or (size is not None and size < HOLD_MIN_ELEMENTS):
         return t
     finite = tf.math.is_finite(trigger)
-    when_bad, _ = tf.raw_ops.Switch(data=t, pred=finite)
+    when_nonfinite, _ = tf.raw_ops.Switch(data=t, pred=finite)
     _, when_finite = tf.raw_ops.Switch(data=tf.zeros([0], t.dtype), pred=finite)
-    held, _ = tf.raw_ops.Merge(inputs=[when_bad, when_finite])
+    held, _ = tf.raw_ops.Merge(inputs=[when_nonfinite, when_finite])
     return held
 
 
@@ -297,9 +297,9 @@ class StatsBuilder:
         self._partials: dict[str, list[tf.Tensor]] = {g: [] for g in _GROUPS if g != "sum"}
         self._layout: list[tuple[str, int]] = []  # vector slot -> (group, index)
         # For each diagnosed entry, the indices of its nan and inf partials in
-        # the "sum" group: used for the per-replica view of where it went bad.
-        self._bad_slots: list[tuple[int, int]] = []
-        self.replica_first_bad: tf.Tensor | None = None
+        # the "sum" group: used for the per-replica view of where it went non-finite.
+        self._count_slots: list[tuple[int, int]] = []
+        self.replica_first_nonfinite: tf.Tensor | None = None
         # The "sum" group (NaN/Inf counts), one spec a slot: ("tensor", t) or
         # ("lazy", kind, sources, trigger); ``_sum_vector`` turns them into values.
         self._sum_specs: list[tuple] = []
@@ -319,23 +319,23 @@ class StatsBuilder:
             else:
                 self._partials[group].append(_f32(value))
         if kind != "header":
-            self._bad_slots.append((slots["nan"], slots["inf"]))
+            self._count_slots.append((slots["nan"], slots["inf"]))
 
     def _group_size(self, group: str) -> int:
         return len(self._sum_specs) if group == "sum" else len(self._partials[group])
 
-    def _local_first_bad(self, sums: tf.Tensor) -> tf.Tensor:
+    def _local_first_nonfinite(self, sums: tf.Tensor) -> tf.Tensor:
         """Ordinal (among diagnosed entries) of this replica's first non-finite
         entry, before any cross-replica reduction; ``len(entries)`` if none."""
-        if not self._bad_slots:
+        if not self._count_slots:
             return tf.constant(0.0)
-        nan_idx = tf.constant([n for n, _ in self._bad_slots], tf.int32)
-        inf_idx = tf.constant([i for _, i in self._bad_slots], tf.int32)
-        bad = (tf.gather(sums, nan_idx) + tf.gather(sums, inf_idx)) > 0
-        bad = tf.concat([bad, [True]], 0)
-        return tf.cast(tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int32), tf.float32)
+        nan_idx = tf.constant([n for n, _ in self._count_slots], tf.int32)
+        inf_idx = tf.constant([i for _, i in self._count_slots], tf.int32)
+        nonfinite = (tf.gather(sums, nan_idx) + tf.gather(sums, inf_idx)) > 0
+        nonfinite = tf.concat([nonfinite, [True]], 0)
+        return tf.cast(tf.argmax(tf.cast(nonfinite, tf.int32), output_type=tf.int32), tf.float32)
 
-    def suspect(self) -> tf.Tensor:
+    def maybe_nonfinite(self) -> tf.Tensor:
         """A cheap scalar bool: may any entry added so far be non-finite?
 
         False guarantees every NaN/Inf count so far is 0; True is almost
@@ -364,7 +364,7 @@ class StatsBuilder:
         if not lazy:
             return tf.stack([specs[i][1] for i in eager])
         triggers = _unique([specs[i][3] for i in lazy])
-        maybe_bad = tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))
+        maybe_nonfinite = tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))
 
         def exact() -> tf.Tensor:
             return tf.stack([_exact_count(specs[i][1], specs[i][2]) for i in lazy])
@@ -372,7 +372,7 @@ class StatsBuilder:
         def clean() -> tf.Tensor:
             return tf.zeros([len(lazy)], tf.float32)
 
-        lazy_values = rare_cond(maybe_bad, exact, clean)
+        lazy_values = rare_cond(maybe_nonfinite, exact, clean)
         if not eager:
             return lazy_values
         parts = tf.concat([tf.stack([specs[i][1] for i in eager]), lazy_values], 0)
@@ -387,8 +387,8 @@ class StatsBuilder:
         stacked["sum"] = self._sum_vector()
         ctx = tf.distribute.get_replica_context()
         replicas = replicas_in_sync()
-        local_first_bad = self._local_first_bad(stacked["sum"])
-        self.replica_first_bad = tf.reshape(local_first_bad, [1])
+        local_first_nonfinite = self._local_first_nonfinite(stacked["sum"])
+        self.replica_first_nonfinite = tf.reshape(local_first_nonfinite, [1])
         if replicas > 1:
             sums = ctx.all_reduce(
                 tf.distribute.ReduceOp.SUM,
@@ -399,12 +399,14 @@ class StatsBuilder:
             stacked["sumsq"] = sums[n_sum : n_sum + n_sq]
             stacked["mean"] = sums[n_sum + n_sq :] / float(replicas)
             # One all_gather carries the extremes and each replica's first
-            # non-finite entry (which replica went bad first).
+            # non-finite entry (which replica went non-finite first).
             gathered = ctx.all_gather(
-                tf.stack([tf.concat([-stacked["min"], stacked["max"], [local_first_bad]], 0)]),
+                tf.stack(
+                    [tf.concat([-stacked["min"], stacked["max"], [local_first_nonfinite]], 0)]
+                ),
                 axis=0,
             )
-            self.replica_first_bad = gathered[:, -1]
+            self.replica_first_nonfinite = gathered[:, -1]
             extremes = tf.reduce_max(gathered[:, :-1], axis=0)
             n_min = len(self._partials["min"])
             stacked["min"] = -extremes[:n_min]

@@ -1,5 +1,10 @@
-"""Low-level summary ops, TensorBoard style, for people who write their own
-``tf.summary`` code.
+"""Scalars-dashboard summaries of finiteness, for your own ``tf.summary`` code.
+
+Public API (``tb_nanwatch.summary``). Unlike a TensorBoard plugin's usual
+``summary.py``, which writes the plugin's own data, this module writes
+ordinary scalars for TensorBoard's Scalars dashboard; the NaN Watch tab's
+data is recorded by :class:`~tb_nanwatch.callback.NanWatch` and
+:class:`~tb_nanwatch.custom_loop.StepWatcher`, not by these.
 
 Each function computes its statistics with plain TensorFlow ops (float32, no
 ``check_numerics``, no ``py_function``), writes them as ordinary scalar
@@ -17,9 +22,7 @@ Like every ``tf.summary`` op they write only inside ``writer.as_default()``
 (and, with ``step=None``, need ``tf.summary.experimental.set_step`` or
 ``as_default(step=...)``). They run inside ``tf.function``; summary ops
 cannot be compiled by XLA, so keep them out of a ``jit_compile=True``
-function (return the tensors and write them outside). The NaN Watch tab is
-fed by :class:`~tb_nanwatch.callback.NanWatch` and
-:class:`~tb_nanwatch.custom_loop.StepWatcher`, not by these.
+function (return the tensors and write them outside).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def grad_norms(name: str, grads, variables=None, step=None, per_variable: bool =
             raise ValueError(
                 f"grad_norms got {len(grads)} gradients but {len(variables)} variables"
             )
-    squares, bad = [], []
+    squares, nonfinite_counts = [], []
     for i, g in enumerate(grads):
         if g is None:
             continue
@@ -99,14 +102,18 @@ def grad_norms(name: str, grads, variables=None, step=None, per_variable: bool =
             g = g.values
         sq = step_stats.sum_squares(g)
         squares.append(sq)
-        bad.append(step_stats.count_nan(g) + step_stats.count_inf(g))
+        nonfinite_counts.append(step_stats.count_nan(g) + step_stats.count_inf(g))
         if per_variable:
             label = _variable_name(variables[i]) if variables is not None else f"grad_{i}"
             tf.summary.scalar(f"{name}/{label}", tf.sqrt(sq), step=step)
     zero = tf.constant(0.0)
     norm = tf.sqrt(tf.add_n(squares)) if squares else zero
     tf.summary.scalar(f"{name}/global_norm", norm, step=step)
-    tf.summary.scalar(f"{name}/nonfinite_count", tf.add_n(bad) if bad else zero, step=step)
+    tf.summary.scalar(
+        f"{name}/nonfinite_count",
+        tf.add_n(nonfinite_counts) if nonfinite_counts else zero,
+        step=step,
+    )
     return norm
 
 

@@ -161,6 +161,24 @@ class LayerTaps:
         self._loss_taps_decided = False
 
     @property
+    def layers(self) -> list[tuple[keras.layers.Layer, str]]:
+        """Every watched layer with its path, in model order."""
+        return list(self._layers)
+
+    @property
+    def installed(self) -> bool:
+        """Whether the call wrappers are in place."""
+        return bool(self._installed)
+
+    def variable_owners(self) -> dict[int, str]:
+        """Maps ``id(variable)`` to the path of the watched layer that owns it."""
+        owners: dict[int, str] = {}
+        for layer, path in self._layers:
+            for v in getattr(layer, "_trainable_variables", []):
+                owners.setdefault(id(v), path)
+        return owners
+
+    @property
     def active(self) -> StepTrace | None:
         return getattr(self._local, "trace", None)
 

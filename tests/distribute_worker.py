@@ -36,15 +36,15 @@ def _entry_values(journal, step_vector, phase, kind, layer):
 
 
 def _fit(log_dir, strategy=None):
-    import setup_scenarios as S
+    import scenarios
 
     import tb_nanwatch
 
     if strategy is None:
-        model, kwargs, truth = S.ratio_multi_io()
+        model, kwargs, truth = scenarios.ratio_multi_io()
     else:
         with strategy.scope():
-            model, kwargs, truth = S.ratio_multi_io()
+            model, kwargs, truth = scenarios.ratio_multi_io()
     watch = tb_nanwatch.NanWatch(log_dir, snapshot_every=1)
     model.fit(**kwargs, callbacks=[watch], verbose=0)
     journal = watch.journal
@@ -69,12 +69,12 @@ def _custom_loop(log_dir, strategy, per_worker_data):
     """A StepWatcher custom loop under ``strategy``; ``per_worker_data(pipeline_id)``
     gives each input pipeline its own (num, den, y_main, y_aux) arrays."""
     import keras
-    import setup_scenarios as S
+    import scenarios
 
     import tb_nanwatch
 
     with strategy.scope():
-        model, _, truth = S.ratio_multi_io()
+        model, _, truth = scenarios.ratio_multi_io()
         optimizer = keras.optimizers.SGD(0.01)
         watcher = tb_nanwatch.StepWatcher(log_dir, model, optimizer)
     replicas = strategy.num_replicas_in_sync
@@ -128,14 +128,14 @@ def _custom_loop(log_dir, strategy, per_worker_data):
 def mirrored(out, log_dir):
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    import setup_scenarios as S
+    import scenarios
 
     result = {"single": _fit(os.path.join(log_dir, "single"))}
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     result["mirrored"] = _fit(os.path.join(log_dir, "mirrored"), strategy)
 
     def data(_pipeline):
-        return S.ratio_data(ZERO_STEP, STEPS)
+        return scenarios.ratio_data(ZERO_STEP, STEPS)
 
     result["mirrored_custom_loop"] = _custom_loop(
         os.path.join(log_dir, "mirrored_loop"), strategy, data
@@ -145,14 +145,16 @@ def mirrored(out, log_dir):
 
 
 def multiworker(out, log_dir):
-    import setup_scenarios as S
+    import scenarios
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
     def data(pipeline):
         # Each worker reads its own shard; only worker 1's has the zero
         # denominator, at step ZERO_STEP, row 1 of its 4-row shard.
-        num, den, y_main, y_aux = S.ratio_data(ZERO_STEP, STEPS, zero_row=1, seed=20 + pipeline)
+        num, den, y_main, y_aux = scenarios.ratio_data(
+            ZERO_STEP, STEPS, zero_row=1, seed=20 + pipeline
+        )
         if pipeline != 1:
             den[den == 0] = 1.0
         half = BATCH // 2

@@ -94,11 +94,14 @@ def base_vector(schema, step: int) -> np.ndarray:
     vector = np.zeros(schema.size, np.float32)
     for entry in schema.entries:
         if entry.kind in ("activation", "input", "logits"):
-            vector[entry.offset + 2 : entry.offset + 4] = (-1.0, 1.0)
-        elif entry.kind in ("grad_out", "grad_var", "grad_in", "loss"):
-            vector[entry.offset + 2] = 0.5
-    header = schema.header().offset
-    vector[header : header + 6] = (1.0 + step / 1000, 1.0, 1e-3, 0.0, 0.0, step)
+            vector[entry.index("min")], vector[entry.index("max")] = -1.0, 1.0
+        elif entry.kind in ("grad_out", "grad_var", "grad_in"):
+            vector[entry.index("norm")] = 0.5
+        elif entry.kind == "loss":
+            vector[entry.index("value")] = 0.5
+    header = {"loss": 1.0 + step / 1000, "grad_norm": 1.0, "lr": 1e-3, "iterations": step}
+    for field, value in header.items():  # loss_scale and skipped stay 0
+        vector[schema.header_index(field)] = value
     return vector
 
 

@@ -1,7 +1,12 @@
-"""Small deterministic training scenarios with a known first non-finite step.
+"""The training scenarios of the write-side tests, and the helpers that run them.
 
 Each builder returns ``(model, fit_kwargs, truth)``: ``truth`` is what the
-diagnosis must say, derived from how the data or model was constructed.
+diagnosis must say (step, phase, layer, kind), derived from how the data or
+model was constructed. The first group are origin cases of each phase; the
+second the setups users run (multi-I/O, subclassed, RNN, attention, frozen
+layers, mixed precision). :func:`fit` trains a scenario under ``fit`` with a
+``NanWatch``; :func:`train_custom_loop` trains ``ratio_multi_io``'s model
+with a hand-written loop and a ``StepWatcher``.
 """
 
 from __future__ import annotations
@@ -210,3 +215,255 @@ def backward_fan_out(zero_step: int = 3, steps: int = 8):
     y = np.ones((len(x), 1), "float32")
     truth = {"step": zero_step, "phase": "backward", "layer": "norm", "kind": "nan"}
     return model, dict(x=x, y=y, batch_size=BATCH, shuffle=False), truth
+
+
+# The origin cases of each phase (and a nested model, a fan-out).
+ORIGIN_CASES = [
+    forward_log_negative,
+    input_nan,
+    loss_log_zero,
+    backward_sqrt_zero,
+    update_adam_eps0,
+    nested_model,
+    backward_fan_out,
+]
+
+
+# -- the setups users run ---------------------------------------------------------
+
+
+@keras.saving.register_keras_serializable("tests")
+class Ratio(keras.layers.Layer):
+    """numerator[:, :1] / denominator: +inf where the denominator is exactly 0."""
+
+    def call(self, inputs):
+        num, den = inputs
+        return num[:, :1] / den
+
+
+@keras.saving.register_keras_serializable("tests")
+class RowNorm(keras.layers.Layer):
+    """[h, ||h||]: finite at h = 0, its gradient there is NaN."""
+
+    def call(self, h):
+        return tf.concat([h, tf.sqrt(tf.reduce_sum(h * h, axis=-1, keepdims=True))], -1)
+
+
+def ratio_data(zero_step: int = 9, steps: int = 12, zero_row: int = 5, seed: int = 11):
+    rng = np.random.RandomState(seed)
+    num = rng.uniform(0.5, 1.5, (steps * BATCH, 3)).astype("float32")
+    den = rng.uniform(0.5, 1.5, (steps * BATCH, 1)).astype("float32")
+    den[zero_step * BATCH + zero_row] = 0.0
+    y_main = np.ones((steps * BATCH, 1), "float32")
+    y_aux = np.zeros((steps * BATCH, 1), "float32")
+    return num, den, y_main, y_aux
+
+
+def ratio_multi_io(zero_step: int = 9, steps: int = 12, zero_row: int = 5, compile_kwargs=None):
+    """Two inputs, two outputs; the denominator input has an exact zero at
+    ``zero_step`` (row ``zero_row`` of the batch: the second replica's shard
+    when a batch of 8 is split over 2 replicas). ``Ratio`` divides by it."""
+    num, den, y_main, y_aux = ratio_data(zero_step, steps, zero_row)
+    keras.utils.set_random_seed(11)
+    a = keras.Input((3,), name="num")
+    b = keras.Input((1,), name="den")
+    hidden = keras.layers.Dense(4, activation="tanh", name="hidden")(a)
+    ratio = Ratio(name="ratio")([a, b])
+    merged = keras.layers.Concatenate(name="merge")([hidden, ratio])
+    main = keras.layers.Dense(1, name="main")(merged)
+    aux = keras.layers.Dense(1, name="aux")(hidden)
+    model = keras.Model({"num": a, "den": b}, {"main": main, "aux": aux}, name="ratio_case")
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss={"main": "mse", "aux": "mse"},
+        **(compile_kwargs or {}),
+    )
+    truth = {"step": zero_step, "phase": "forward", "layer": "ratio", "kind": "inf"}
+    fit_kwargs = dict(
+        x={"num": num, "den": den},
+        y={"main": y_main, "aux": y_aux},
+        batch_size=BATCH,
+        shuffle=False,
+    )
+    return model, fit_kwargs, truth
+
+
+class SubclassedNet(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.pick = keras.layers.Dense(1, kernel_initializer="ones", trainable=False, name="pick")
+        self.log = Log(name="log")
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        return self.head(self.log(self.pick(x)))
+
+
+def falling_sum(nan_step: int, steps: int, features: int = 2, seed: int = 12) -> np.ndarray:
+    """Rows whose feature sum falls by 0.2 a batch and is negative from nan_step."""
+    rng = np.random.RandomState(seed)
+    x = rng.uniform(-0.02, 0.02, (steps * BATCH, features)).astype("float32")
+    for step in range(steps):
+        x[step * BATCH : (step + 1) * BATCH, 0] += 0.2 * (nan_step - step) - 0.1
+    return x
+
+
+def subclassed(nan_step: int = 4, steps: int = 8):
+    """A subclassed model: the frozen ``pick`` sums the features; log of a negative."""
+    x = falling_sum(nan_step, steps)
+    keras.utils.set_random_seed(12)
+    model = SubclassedNet(name="subclassed_case")
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    y = np.zeros((len(x), 1), "float32")
+    truth = {"step": nan_step, "phase": "forward", "layer": "log", "kind": "nan"}
+    return model, dict(x=x, y=y, batch_size=BATCH, shuffle=False), truth
+
+
+def recurrent(nan_step: int = 3, steps: int = 6):
+    """Embedding-free sequence model: LSTM -> GRU -> Dense; a NaN in the input."""
+    rng = np.random.RandomState(13)
+    x = rng.uniform(-1, 1, (steps * BATCH, 5, 3)).astype("float32")
+    x[nan_step * BATCH + 2, 4, 1] = np.nan
+    keras.utils.set_random_seed(13)
+    inp = keras.Input((5, 3), name="sequence")
+    h = keras.layers.LSTM(4, return_sequences=True, name="lstm")(inp)
+    h = keras.layers.GRU(4, name="gru")(h)
+    out = keras.layers.Dense(1, name="head")(h)
+    model = keras.Model(inp, out, name="recurrent_case")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    y = np.ones((len(x), 1), "float32")
+    truth = {"step": nan_step, "phase": "input", "layer": "sequence", "kind": "nan"}
+    return model, dict(x=x, y=y, batch_size=BATCH, shuffle=False), truth
+
+
+def attention(nan_step: int = 3, steps: int = 6):
+    """MultiHeadAttention, then a log of a second input that turns negative."""
+    rng = np.random.RandomState(14)
+    seq = rng.uniform(-1, 1, (steps * BATCH, 4, 6)).astype("float32")
+    scale = np.zeros((steps * BATCH, 1), "float32")
+    for step in range(steps):
+        scale[step * BATCH : (step + 1) * BATCH] = 0.2 * (nan_step - step) - 0.1
+    keras.utils.set_random_seed(14)
+    s = keras.Input((4, 6), name="seq")
+    c = keras.Input((1,), name="scale")
+    att = keras.layers.MultiHeadAttention(2, 3, name="attention")(s, s)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(att)
+    logged = Log(name="log_scale")(c)
+    merged = keras.layers.Concatenate(name="merge")([pooled, logged])
+    out = keras.layers.Dense(1, name="head")(merged)
+    model = keras.Model([s, c], out, name="attention_case")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    y = np.zeros((steps * BATCH, 1), "float32")
+    truth = {"step": nan_step, "phase": "forward", "layer": "log_scale", "kind": "nan"}
+    return model, dict(x=[seq, scale], y=y, batch_size=BATCH, shuffle=False), truth
+
+
+def frozen_norm(zero_step: int = 5, steps: int = 8):
+    """A frozen encoder feeding RowNorm; an all-zero input row at zero_step."""
+    rng = np.random.RandomState(15)
+    x = rng.uniform(0.5, 1.5, (steps * BATCH, 3)).astype("float32")
+    x[zero_step * BATCH + 6] = 0.0
+    keras.utils.set_random_seed(15)
+    inp = keras.Input((3,), name="x")
+    h = keras.layers.Dense(3, use_bias=False, trainable=False, name="frozen_encoder")(inp)
+    n = RowNorm(name="row_norm")(h)
+    out = keras.layers.Dense(1, name="head")(n)
+    model = keras.Model(inp, out, name="frozen_case")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    y = np.ones((len(x), 1), "float32")
+    truth = {"step": zero_step, "phase": "backward", "layer": "row_norm", "kind": "nan"}
+    return model, dict(x=x, y=y, batch_size=BATCH, shuffle=False), truth
+
+
+def healthy_small(steps: int = 10):
+    rng = np.random.RandomState(16)
+    x = rng.normal(size=(steps * BATCH, 4)).astype("float32")
+    y = (x @ rng.normal(size=(4, 1))).astype("float32")
+    keras.utils.set_random_seed(16)
+    inp = keras.Input((4,), name="x")
+    h = keras.layers.Dense(8, activation="relu", name="hidden")(inp)
+    out = keras.layers.Dense(1, name="head")(h)
+    model = keras.Model(inp, out, name="healthy_small")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model, dict(x=x, y=y, batch_size=BATCH, shuffle=False), None
+
+
+def mixed_log_negative(nan_step: int = 4, steps: int = 10):
+    """Under mixed_float16: log of a negative from nan_step; every later step
+    is skipped by the loss scaler (NaN gradients), never applied."""
+    x = falling_sum(nan_step, steps, seed=17)
+    keras.utils.set_random_seed(17)
+    inp = keras.Input((2,), name="x")
+    picked = keras.layers.Dense(
+        1, kernel_initializer="ones", use_bias=False, trainable=False, name="pick"
+    )(inp)
+    logged = Log(name="log")(picked)
+    # A zero head: every gradient is exactly 0 while the log is finite, so
+    # the loss scaler never skips before nan_step.
+    out = keras.layers.Dense(1, dtype="float32", kernel_initializer="zeros", name="head")(logged)
+    model = keras.Model(inp, out, name="mixed_log_case")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    y = np.zeros((len(x), 1), "float32")
+    truth = {"step": nan_step, "phase": "forward", "layer": "log", "kind": "nan"}
+    return model, dict(x=x, y=y, batch_size=BATCH, shuffle=False), truth
+
+
+# -- running a scenario --------------------------------------------------------------
+
+
+def fit(build, log_dir, epochs=1, compile_kwargs=None, **watch_kwargs):
+    """Trains ``build()``'s model with ``fit`` and a ``NanWatch(log_dir, **watch_kwargs)``.
+
+    ``compile_kwargs`` recompiles the model with them (``jit_compile``,
+    ``steps_per_execution``). Returns ``(model, watch, truth, history)``.
+    """
+    import tb_nanwatch
+
+    keras.utils.set_random_seed(0)
+    model, kwargs, truth = build()
+    if compile_kwargs:
+        model.compile(optimizer=model.optimizer, loss=model.loss, **compile_kwargs)
+    watch = tb_nanwatch.NanWatch(str(log_dir), **watch_kwargs)
+    history = model.fit(**kwargs, epochs=epochs, callbacks=[watch], verbose=0)
+    return model, watch, truth, history
+
+
+def origin(incident):
+    """The incident's step, phase, layer and kind (what a scenario's truth names)."""
+    assert incident is not None
+    return {k: incident[k] for k in ("step", "phase", "layer", "kind")}
+
+
+def train_custom_loop(build, log_dir, jit_compile=False, **watch_kwargs):
+    """Trains ``build``'s two-output model (``ratio_multi_io``) with a
+    hand-written loop and a StepWatcher; returns ``(watcher, truth)``."""
+    import tb_nanwatch
+
+    model, kwargs, truth = build()
+    optimizer = keras.optimizers.SGD(0.01)
+    loss_fn = keras.losses.MeanSquaredError()
+    watcher = tb_nanwatch.StepWatcher(str(log_dir), model, optimizer, **watch_kwargs)
+
+    @tf.function(jit_compile=jit_compile)
+    def train_step(x, y):
+        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
+            y_pred = model(x, training=True)
+            # In the order of the model's outputs (as fit's compiled loss has them).
+            per_output = {k: loss_fn(y[k], y_pred[k]) for k in ("main", "aux")}
+            loss = rec.loss(tf.add_n(list(per_output.values())), y_pred=y_pred, outputs=per_output)
+        grads = tape.gradient(loss, rec.sources(model.trainable_variables))
+        grads = rec.gradients(grads)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=False))
+        rec.after_update()
+        return loss
+
+    x, y = kwargs["x"], kwargs["y"]
+    n = len(next(iter(y.values())))
+    for start in range(0, n, BATCH):
+        xb = {k: tf.constant(v[start : start + BATCH]) for k, v in x.items()}
+        yb = {k: tf.constant(v[start : start + BATCH]) for k, v in y.items()}
+        train_step(xb, yb)
+        if watcher.end_step():
+            break
+    watcher.close()
+    return watcher, truth

@@ -250,7 +250,7 @@ def test_caught_exception_steps_reach_disk_without_another_step(child_factory):
 
 def _vector(schema, loss=1.0):
     vector = np.zeros(schema.size, np.float32)
-    vector[schema.header().offset] = loss
+    vector[schema.header_index("loss")] = loss
     return vector
 
 

@@ -8,8 +8,9 @@ import sys
 import keras
 import numpy as np
 import pytest
-import setup_scenarios as S
+import scenarios
 import tensorflow as tf
+from scenarios import origin, train_custom_loop
 
 import tb_nanwatch
 from tb_nanwatch.callback import NonFiniteError
@@ -19,12 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from demo import seed003_custom_loop_autoencoder as seed003  # noqa: E402
 
 
-def origin(incident):
-    assert incident is not None
-    return {k: incident[k] for k in ("step", "phase", "layer", "kind")}
-
-
-def test_seed003_autoencoder_custom_loop(tmp_path):
+def test_seed003_custom_loop_finds_the_origin_and_its_bundle_replays_it(tmp_path):
     incident = seed003.run(str(tmp_path))
     assert {k: incident[k] for k in seed003.TRUTH} == seed003.TRUTH
     bundle = tb_nanwatch.load_bundle(str(tmp_path))
@@ -42,45 +38,15 @@ def test_seed003_autoencoder_custom_loop(tmp_path):
     assert not all(np.isfinite(g.numpy()).all() for g in grads)
 
 
-def _custom_loop(build, log_dir, jit_compile=False, **watch_kwargs):
-    """Trains ``build``'s model with a hand-written loop and a StepWatcher."""
-    model, kwargs, truth = build()
-    optimizer = keras.optimizers.SGD(0.01)
-    loss_fn = keras.losses.MeanSquaredError()
-    watcher = tb_nanwatch.StepWatcher(str(log_dir), model, optimizer, **watch_kwargs)
-
-    @tf.function(jit_compile=jit_compile)
-    def train_step(x, y):
-        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
-            y_pred = model(x, training=True)
-            # In the order of the model's outputs (as fit's compiled loss has them).
-            per_output = {k: loss_fn(y[k], y_pred[k]) for k in ("main", "aux")}
-            loss = rec.loss(tf.add_n(list(per_output.values())), y_pred=y_pred, outputs=per_output)
-        grads = tape.gradient(loss, rec.sources(model.trainable_variables))
-        grads = rec.gradients(grads)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=False))
-        rec.after_update()
-        return loss
-
-    x, y = kwargs["x"], kwargs["y"]
-    n = len(next(iter(y.values())))
-    for start in range(0, n, S.BATCH):
-        xb = {k: tf.constant(v[start : start + S.BATCH]) for k, v in x.items()}
-        yb = {k: tf.constant(v[start : start + S.BATCH]) for k, v in y.items()}
-        train_step(xb, yb)
-        if watcher.end_step():
-            break
-    watcher.close()
-    return watcher, truth
-
-
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
-def test_custom_loop_matches_the_callback(jit_compile, tmp_path):
-    loop, truth = _custom_loop(S.ratio_multi_io, tmp_path / "loop", jit_compile=jit_compile)
+def test_custom_loop_diagnosis_and_entries_match_fit_in_graph_and_xla(jit_compile, tmp_path):
+    loop, truth = train_custom_loop(
+        scenarios.ratio_multi_io, tmp_path / "loop", jit_compile=jit_compile
+    )
     assert origin(loop.incident) == truth
     assert loop.journal.status == "stopped" and loop.journal.steps == truth["step"] + 1
     # Same entries (same on-disk schema) as the callback on the same model.
-    model, kwargs, _ = S.ratio_multi_io()
+    model, kwargs, _ = scenarios.ratio_multi_io()
     watch = tb_nanwatch.NanWatch(str(tmp_path / "fit"))
     model.fit(**kwargs, callbacks=[watch], verbose=0)
     assert origin(watch.incident) == origin(loop.incident)
@@ -95,16 +61,18 @@ def test_custom_loop_matches_the_callback(jit_compile, tmp_path):
 
 def test_custom_loop_raise_and_continue(tmp_path):
     with pytest.raises(NonFiniteError) as info:
-        _custom_loop(S.ratio_multi_io, tmp_path / "raise", on_nonfinite="raise")
+        train_custom_loop(scenarios.ratio_multi_io, tmp_path / "raise", on_nonfinite="raise")
     assert info.value.incident["step"] == 9
-    watcher, _ = _custom_loop(S.ratio_multi_io, tmp_path / "continue", on_nonfinite="continue")
+    watcher, _ = train_custom_loop(
+        scenarios.ratio_multi_io, tmp_path / "continue", on_nonfinite="continue"
+    )
     assert watcher.incident["step"] == 9 and watcher.journal.steps == 12
     assert watcher.journal.status == "finished"
 
 
 def test_custom_loop_several_steps_per_call(tmp_path):
     """Four steps inside one tf.function call: every step recorded, exact step."""
-    model, kwargs, truth = S.ratio_multi_io()
+    model, kwargs, truth = scenarios.ratio_multi_io()
     optimizer = keras.optimizers.SGD(0.01)
     watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer, steps_per_execution=4)
     x, y = kwargs["x"], kwargs["y"]
@@ -127,11 +95,11 @@ def test_custom_loop_several_steps_per_call(tmp_path):
 
     def chunks(arrays, start):
         return {
-            k: tf.constant(v[start : start + 4 * S.BATCH].reshape(4, S.BATCH, -1))
+            k: tf.constant(v[start : start + 4 * scenarios.BATCH].reshape(4, scenarios.BATCH, -1))
             for k, v in arrays.items()
         }
 
-    for start in range(0, 12 * S.BATCH, 4 * S.BATCH):
+    for start in range(0, 12 * scenarios.BATCH, 4 * scenarios.BATCH):
         four_steps(chunks(x, start), chunks(y, start))
         if watcher.end_step():
             break
@@ -156,7 +124,7 @@ def test_custom_train_step_under_fit_with_the_watcher_callback(tmp_path):
             rec.after_update()
             return {"loss": loss}
 
-    model, kwargs, truth = S.frozen_norm()
+    model, kwargs, truth = scenarios.frozen_norm()
     inner = model
     model = OwnStep(inner.inputs, inner.outputs, name="own_step")
     model.compile(optimizer=keras.optimizers.SGD(0.01))
@@ -172,7 +140,7 @@ def test_custom_train_step_under_fit_with_the_watcher_callback(tmp_path):
 def test_mixed_precision_custom_loop_records_skips(tmp_path):
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        model, kwargs, truth = S.mixed_log_negative()
+        model, kwargs, truth = scenarios.mixed_log_negative()
         optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01))
         watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer, max_consecutive_skips=3)
 
@@ -187,9 +155,10 @@ def test_mixed_precision_custom_loop_records_skips(tmp_path):
             rec.after_update()
 
         x, y = kwargs["x"], kwargs["y"]
-        for start in range(0, len(x), S.BATCH):
+        for start in range(0, len(x), scenarios.BATCH):
             train_step(
-                tf.constant(x[start : start + S.BATCH]), tf.constant(y[start : start + S.BATCH])
+                tf.constant(x[start : start + scenarios.BATCH]),
+                tf.constant(y[start : start + scenarios.BATCH]),
             )
             if watcher.end_step():
                 break
@@ -201,7 +170,7 @@ def test_mixed_precision_custom_loop_records_skips(tmp_path):
 
 
 def test_step_watcher_arguments_are_named(tmp_path):
-    model = S.healthy_small()[0]
+    model = scenarios.healthy_small()[0]
     with pytest.raises(ValueError, match="on_nonfinite"):
         tb_nanwatch.StepWatcher(str(tmp_path), model, model.optimizer, on_nonfinite="nope")
     with pytest.raises(ValueError, match="steps_per_execution"):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from scenarios import origin
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distribute_worker.py")
@@ -28,10 +29,6 @@ def _env():
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     env.pop("TF_CONFIG", None)
     return env
-
-
-def origin(incident):
-    return {k: incident[k] for k in ("step", "phase", "layer", "kind")}
 
 
 @pytest.fixture(scope="module")

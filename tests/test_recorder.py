@@ -1,104 +1,17 @@
-"""The NanWatch callback on scenarios whose first non-finite step is known."""
+"""The in-graph recorder: statistics that match an eager recomputation, the
+device record's copies, the step graph (ops ordered, tensors let go of, our
+scope) and the same diagnosis under the graph's variants."""
 
 from __future__ import annotations
-
-import os
-import warnings
 
 import keras
 import numpy as np
 import pytest
 import scenarios
 import tensorflow as tf
+from scenarios import fit, origin
 
 import tb_nanwatch
-from tb_nanwatch.callback import NonFiniteError
-
-ORIGIN_CASES = [
-    scenarios.forward_log_negative,
-    scenarios.input_nan,
-    scenarios.loss_log_zero,
-    scenarios.backward_sqrt_zero,
-    scenarios.update_adam_eps0,
-    scenarios.nested_model,
-    scenarios.backward_fan_out,
-]
-
-
-def fit(build, log_dir, epochs=1, jit_compile=None, **watch_kwargs):
-    keras.utils.set_random_seed(0)
-    model, kwargs, truth = build()
-    if jit_compile is not None:
-        model.compile(optimizer=model.optimizer, loss=model.loss, jit_compile=jit_compile)
-    watch = tb_nanwatch.NanWatch(str(log_dir), **watch_kwargs)
-    history = model.fit(**kwargs, epochs=epochs, callbacks=[watch], verbose=0)
-    return model, watch, truth, history
-
-
-def assert_matches(incident, truth):
-    assert incident is not None
-    got = {k: incident[k] for k in ("step", "phase", "layer", "kind")}
-    assert got == truth
-
-
-@pytest.mark.parametrize("build", ORIGIN_CASES, ids=lambda b: b.__name__)
-def test_origin_step_phase_layer_kind(build, tmp_path):
-    model, watch, truth, _ = fit(build, tmp_path)
-    assert_matches(watch.incident, truth)
-    # "stop" ends training right after the incident step.
-    assert watch.journal.steps == truth["step"] + 1
-    assert watch.journal.status == "stopped"
-
-
-@pytest.mark.parametrize(
-    "build", [scenarios.backward_sqrt_zero, scenarios.update_adam_eps0], ids=lambda b: b.__name__
-)
-def test_same_diagnosis_under_xla(build, tmp_path):
-    _, watch, truth, _ = fit(build, tmp_path, jit_compile=True)
-    assert_matches(watch.incident, truth)
-
-
-def test_healthy_run_has_no_incident_no_explosion(tmp_path):
-    _, watch, _, history = fit(scenarios.healthy, tmp_path, epochs=2)
-    assert watch.incident is None
-    assert watch.journal.explosion_onset is None
-    assert watch.journal.skipped_steps == []
-    assert watch.journal.steps == 120
-    assert len(history.history["loss"]) == 2
-
-
-def test_explosion_without_nan_is_flagged_at_the_learning_rate_jump(tmp_path):
-    _, watch, truth, _ = fit(scenarios.exploding, tmp_path)
-    assert watch.incident is None
-    onset = watch.journal.explosion_onset
-    assert onset is not None
-    assert truth["jump_step"] <= onset["step"] <= truth["jump_step"] + 10
-    assert onset["signal"] in ("loss", "grad_norm", "logits")
-
-
-@pytest.fixture
-def mixed_precision():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
-def test_mixed_precision_skips_are_listed_not_incidents(tmp_path, mixed_precision):
-    _, watch, _, _ = fit(scenarios.mixed_precision_skips, tmp_path)
-    assert watch.incident is None
-    skipped = watch.journal.skipped_steps
-    assert skipped[:3] == [0, 1, 2]  # the initial loss scale overflows first
-    assert watch.journal.steps == 40
-    header = watch.journal.schema.header().offset
-    _, window = watch.journal.flight_window()
-    assert window[-1, header + 3] < 2**15  # the loss scale came down
-
-
-def test_consecutive_skips_escalate(tmp_path, mixed_precision):
-    _, watch, _, _ = fit(scenarios.mixed_precision_skips, tmp_path, max_consecutive_skips=3)
-    assert watch.incident is not None
-    assert watch.incident["step"] == 0
-    assert "consecutive" in watch.incident["note"]
 
 
 def test_math_is_bitwise_identical_with_and_without_the_watcher(tmp_path):
@@ -120,106 +33,7 @@ def test_math_is_bitwise_identical_with_and_without_the_watcher(tmp_path):
         assert a.tobytes() == b.tobytes()
 
 
-def test_raise_mode_raises_after_writing(tmp_path):
-    keras.utils.set_random_seed(0)
-    model, kwargs, truth = scenarios.input_nan()
-    with pytest.raises(NonFiniteError) as info:
-        model.fit(
-            **kwargs,
-            callbacks=[tb_nanwatch.NanWatch(str(tmp_path), on_nonfinite="raise")],
-            verbose=0,
-        )
-    assert info.value.incident["step"] == truth["step"]
-    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
-
-
-def test_continue_mode_keeps_training_and_first_incident(tmp_path):
-    _, watch, truth, _ = fit(scenarios.input_nan, tmp_path, on_nonfinite="continue")
-    assert watch.incident["step"] == truth["step"]
-    assert watch.journal.steps == 12
-
-
-def test_repro_bundle_holds_batch_and_pre_step_weights(tmp_path):
-    model, watch, truth, _ = fit(scenarios.backward_sqrt_zero, tmp_path)
-    bundle = tb_nanwatch.load_bundle(str(tmp_path))
-    assert bundle.step == truth["step"]
-    x, y = bundle.batch
-    assert x.shape == (scenarios.BATCH, 3) and (x[1] == 0).all()
-    # Before the step every weight was finite; the model now holds NaNs.
-    assert all(np.isfinite(w).all() for w in bundle.weights.values())
-    assert not all(np.isfinite(w.numpy()).all() for w in model.trainable_weights)
-    # Replaying the saved step from the saved weights reproduces the NaN.
-    bundle.restore(model)
-    model.train_on_batch(x, y)
-    assert not np.isfinite(model.get_layer("encode").kernel.numpy()).all()
-
-
-def test_stop_keeps_backup_and_restore_state(tmp_path):
-    backup_dir = tmp_path / "backup"
-    keras.utils.set_random_seed(0)
-    model, kwargs, truth = scenarios.input_nan(nan_step=20, steps=24)
-    data = tf.data.Dataset.from_tensor_slices((kwargs["x"], kwargs["y"])).batch(scenarios.BATCH)
-    backup = keras.callbacks.BackupAndRestore(str(backup_dir))
-    watch = tb_nanwatch.NanWatch(str(tmp_path / "run"))
-    # Two 12-step epochs: the backup is saved after epoch 0, the NaN comes at step 20.
-    model.fit(data, steps_per_epoch=12, epochs=2, callbacks=[backup, watch], verbose=0)
-    assert watch.incident["step"] == truth["step"]
-    assert (watch.incident["epoch"], watch.incident["batch"]) == (1, 8)
-    saved = list(backup_dir.rglob("*.weights.h5"))
-    assert saved, "BackupAndRestore's backup was deleted"
-    restored = scenarios.input_nan()[0]
-    restored.load_weights(str(saved[0]))
-    assert all(np.isfinite(w.numpy()).all() for w in restored.weights)
-
-
-def test_watcher_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
-    from tb_nanwatch import journal
-
-    def broken(self, *args, **kwargs):
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(journal.RunJournal, "record", broken)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, watch, _, history = fit(scenarios.healthy, tmp_path)
-    ours = [w for w in caught if "NanWatch stopped watching" in str(w.message)]
-    assert len(ours) == 1 and "boom" in str(ours[0].message)
-    assert len(history.history["loss"]) == 1
-
-
-def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="on_nonfinite"):
-        tb_nanwatch.NanWatch("/tmp/nanwatch-args", on_nonfinite="explode")
-    with pytest.raises(ValueError, match="window"):
-        tb_nanwatch.NanWatch("/tmp/nanwatch-args", window=-1)
-
-
-def test_unwritable_log_dir_is_named(tmp_path):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a directory")
-    with pytest.raises(ValueError, match="log_dir"):
-        tb_nanwatch.NanWatch(str(blocker / "run"))
-
-
-def test_uncompiled_model_is_named(tmp_path):
-    model = scenarios.mlp()
-    watch = tb_nanwatch.NanWatch(str(tmp_path))
-    watch.set_model(model)
-    with pytest.raises(ValueError, match="model must be compiled"):
-        watch.on_train_begin()
-
-
-def test_every_step_is_recorded_across_epochs(tmp_path):
-    _, watch, _, _ = fit(scenarios.healthy, tmp_path, epochs=3)
-    summary = watch.journal.summary()
-    assert summary["steps"] == 180
-    assert summary["status"] == "finished"
-    layers = summary["layers"]
-    assert layers == ["dense_0", "dense_1", "dense_2", "head"]
-    tf.debugging.assert_equal(len(watch.journal.series_columns) > 10, True)
-
-
-def test_on_suspect_copies_weights_only_for_suspect_steps(tmp_path):
+def test_on_suspect_copies_weights_only_in_steps_that_may_be_nonfinite(tmp_path):
     # Backward origin: input..backward is non-finite, so the pre-step copy is taken.
     _, watch, truth, _ = fit(
         scenarios.backward_sqrt_zero, tmp_path / "backward", pre_step_weights="on_suspect"
@@ -291,10 +105,10 @@ def test_input_gradient_only_where_it_can_reach_a_weight(tmp_path):
 
 def test_a_healthy_run_copies_no_batch_and_no_weights(tmp_path):
     _, watch, _, _ = fit(scenarios.healthy, tmp_path / "default")
-    assert watch._recorder.stashed_steps() == (None, None)
+    assert watch._recorder.device.stashed_steps() == (None, None)
     _, watch, _, _ = fit(scenarios.healthy, tmp_path / "every", pre_step_weights="every_step")
     last = watch.journal.steps - 1
-    assert watch._recorder.stashed_steps() == (None, last)
+    assert watch._recorder.device.stashed_steps() == (None, last)
 
 
 def test_every_step_copy_gives_an_exact_update_phase_bundle(tmp_path):
@@ -314,11 +128,11 @@ def test_same_diagnosis_where_min_and_max_may_drop_nan(build, tmp_path, monkeypa
 
     monkeypatch.setattr(step_stats, "_MINMAX_PROPAGATES_NAN", False)
     _, watch, truth, _ = fit(build, tmp_path)
-    assert_matches(watch.incident, truth)
+    assert origin(watch.incident) == truth
 
 
 def test_our_readers_run_before_the_steps_own_consumers():
-    from tb_nanwatch import recorder
+    from tb_nanwatch import phase_stats
 
     ops = {}
 
@@ -326,9 +140,9 @@ def test_our_readers_run_before_the_steps_own_consumers():
     def step(x):
         g = x * 2.0
         theirs = tf.nn.relu(g)
-        with tf.name_scope(recorder.STATS_SCOPE):
+        with tf.name_scope(phase_stats.STATS_SCOPE):
             ours = tf.reduce_sum(g)
-        recorder._readers_first([g])
+        phase_stats.readers_first([g])
         ops.update(theirs=theirs.op, ours=ours.op)
         return theirs, ours
 
@@ -355,7 +169,7 @@ def test_held_if_non_finite_lets_go_of_a_healthy_tensor():
     np.testing.assert_array_equal(held(small).numpy(), small.numpy())
 
 
-@pytest.mark.parametrize("build", ORIGIN_CASES, ids=lambda b: b.__name__)
+@pytest.mark.parametrize("build", scenarios.ORIGIN_CASES, ids=lambda b: b.__name__)
 def test_same_diagnosis_when_every_tensor_is_let_go_of(build, tmp_path, monkeypatch):
     # These scenarios' tensors are small, so by default the counts read them
     # directly; here every one goes through held_if_non_finite.
@@ -363,14 +177,14 @@ def test_same_diagnosis_when_every_tensor_is_let_go_of(build, tmp_path, monkeypa
 
     monkeypatch.setattr(step_stats, "HOLD_MIN_ELEMENTS", 0)
     _, watch, truth, _ = fit(build, tmp_path)
-    assert_matches(watch.incident, truth)
+    assert origin(watch.incident) == truth
 
 
 def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
     # The exact NaN/Inf counts run in a cond at the end of the step. A watched
     # activation or gradient fed to it directly would stay in memory until
     # then, and ReluGrad and the optimizer could no longer write into it.
-    from tb_nanwatch import recorder
+    from tb_nanwatch import phase_stats
 
     keras.utils.set_random_seed(0)
     from tb_nanwatch import step_stats
@@ -400,7 +214,7 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
         conds.extend(
             op
             for op in graph.get_operations()
-            if op.type in ("If", "StatelessIf") and recorder._is_ours(op)
+            if op.type in ("If", "StatelessIf") and phase_stats.is_ours(op)
         )
         return loss
 
@@ -414,7 +228,7 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
     fed = {
         t.op.type
         for t in inputs
-        if not recorder._is_ours(t.op)
+        if not phase_stats.is_ours(t.op)
         and not (t.shape.num_elements() or 0) < step_stats.HOLD_MIN_ELEMENTS
     }
     assert fed <= {"Placeholder"}, fed
@@ -440,11 +254,11 @@ def test_rare_cond_stays_a_functional_if_and_takes_either_branch():
 
 
 def test_fit_hands_the_row_over_with_the_step_outputs(tmp_path, monkeypatch):
-    from tb_nanwatch import recorder
+    from tb_nanwatch import device_record
 
     reads = []
-    read = recorder._read
-    monkeypatch.setattr(recorder, "_read", lambda var: reads.append(1) or read(var))
+    read = device_record._read
+    monkeypatch.setattr(device_record, "_read", lambda var: reads.append(1) or read(var))
     _, watch, _, history = fit(scenarios.healthy, tmp_path)
     assert watch.journal.steps == 60
     assert reads == []  # no separate read of the device buffer
@@ -465,6 +279,6 @@ def test_fit_hands_the_row_over_with_the_step_outputs(tmp_path, monkeypatch):
 def test_our_ops_are_told_apart_by_their_scope(name, ours):
     from types import SimpleNamespace
 
-    from tb_nanwatch import recorder
+    from tb_nanwatch import phase_stats
 
-    assert recorder._is_ours(SimpleNamespace(name=name)) is ours
+    assert phase_stats.is_ours(SimpleNamespace(name=name)) is ours

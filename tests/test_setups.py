@@ -6,24 +6,10 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import setup_scenarios as S
+import scenarios
+from scenarios import fit, origin
 
 import tb_nanwatch
-
-
-def fit(build, log_dir, epochs=1, compile_kwargs=None, **watch_kwargs):
-    model, kwargs, truth = build()
-    if compile_kwargs:
-        model.compile(optimizer=model.optimizer, loss=model.loss, **compile_kwargs)
-    watch = tb_nanwatch.NanWatch(str(log_dir), **watch_kwargs)
-    model.fit(**kwargs, epochs=epochs, callbacks=[watch], verbose=0)
-    return model, watch, truth
-
-
-def origin(incident):
-    assert incident is not None
-    return {k: incident[k] for k in ("step", "phase", "layer", "kind")}
-
 
 # -- XLA and steps_per_execution: the same diagnosis --------------------------
 
@@ -39,7 +25,7 @@ def origin(incident):
     ids=["plain", "xla", "spe4", "xla_spe4"],
 )
 def test_multi_io_same_diagnosis_with_xla_and_steps_per_execution(compile_kwargs, tmp_path):
-    _, watch, truth = fit(S.ratio_multi_io, tmp_path, compile_kwargs=compile_kwargs)
+    _, watch, truth, _ = fit(scenarios.ratio_multi_io, tmp_path, compile_kwargs=compile_kwargs)
     assert origin(watch.incident) == truth
     assert watch.incident["tensor"] == "output of ratio"
     # Exact, not rounded to the execution (step 9 is in the middle of 8..11).
@@ -61,8 +47,8 @@ def test_multi_io_same_diagnosis_with_xla_and_steps_per_execution(compile_kwargs
 
 def test_steps_per_execution_records_every_step_and_partial_executions(tmp_path):
     # 10 batches an epoch with 4 steps per execution: executions of 4, 4, 2.
-    _, watch, _ = fit(
-        S.healthy_small, tmp_path, epochs=2, compile_kwargs={"steps_per_execution": 4}
+    _, watch, _, _ = fit(
+        scenarios.healthy_small, tmp_path, epochs=2, compile_kwargs={"steps_per_execution": 4}
     )
     journal = watch.journal
     assert watch.incident is None
@@ -78,9 +64,9 @@ def test_steps_per_execution_records_every_step_and_partial_executions(tmp_path)
 
 def test_steps_per_execution_incident_epoch_and_batch(tmp_path):
     def build():
-        return S.ratio_multi_io(zero_step=13, steps=16)
+        return scenarios.ratio_multi_io(zero_step=13, steps=16)
 
-    _, watch, _ = fit(build, tmp_path, epochs=1, compile_kwargs={"steps_per_execution": 4})
+    _, watch, _, _ = fit(build, tmp_path, epochs=1, compile_kwargs={"steps_per_execution": 4})
     assert (watch.incident["step"], watch.incident["epoch"], watch.incident["batch"]) == (13, 0, 13)
 
 
@@ -95,7 +81,7 @@ def mixed_precision():
 
 
 def test_mixed_precision_skips_are_not_incidents_until_the_streak(tmp_path, mixed_precision):
-    model, watch, truth = fit(S.mixed_log_negative, tmp_path, max_consecutive_skips=3)
+    model, watch, truth, _ = fit(scenarios.mixed_log_negative, tmp_path, max_consecutive_skips=3)
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     assert origin(watch.incident) == truth
     assert "3 consecutive steps skipped" in watch.incident["note"]
@@ -109,14 +95,18 @@ def test_mixed_precision_skips_are_not_incidents_until_the_streak(tmp_path, mixe
 
 
 def test_mixed_precision_skips_alone_are_no_incident(tmp_path, mixed_precision):
-    _, watch, _ = fit(S.mixed_log_negative, tmp_path, max_consecutive_skips=0, min_loss_scale=0)
+    _, watch, _, _ = fit(
+        scenarios.mixed_log_negative, tmp_path, max_consecutive_skips=0, min_loss_scale=0
+    )
     assert watch.incident is None
     assert watch.journal.skipped_steps == [4, 5, 6, 7, 8, 9]
     assert watch.journal.summary()["skipped_ranges"] == [[4, 9]]
 
 
 def test_mixed_precision_loss_scale_floor_is_an_incident(tmp_path, mixed_precision):
-    _, watch, _ = fit(S.mixed_log_negative, tmp_path, max_consecutive_skips=0, min_loss_scale=2**13)
+    _, watch, _, _ = fit(
+        scenarios.mixed_log_negative, tmp_path, max_consecutive_skips=0, min_loss_scale=2**13
+    )
     assert watch.incident["step"] == 7  # 32768, 16384, 8192, then 4096 < 8192
     assert "below the floor" in watch.incident["note"]
     assert watch.incident["phase"] == "forward" and watch.incident["layer"] == "log"
@@ -127,17 +117,17 @@ def test_mixed_precision_loss_scale_floor_is_an_incident(tmp_path, mixed_precisi
 
 @pytest.mark.parametrize(
     "build",
-    [S.subclassed, S.recurrent, S.attention, S.frozen_norm],
+    [scenarios.subclassed, scenarios.recurrent, scenarios.attention, scenarios.frozen_norm],
     ids=lambda b: b.__name__,
 )
-def test_model_kinds(build, tmp_path):
-    _, watch, truth = fit(build, tmp_path)
+def test_each_model_kind_is_diagnosed_at_its_origin(build, tmp_path):
+    _, watch, truth, _ = fit(build, tmp_path)
     assert origin(watch.incident) == truth
 
 
 def test_rnn_cells_are_named_as_not_watched(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="tb_nanwatch"):
-        _, watch, _ = fit(S.recurrent, tmp_path)
+        _, watch, _, _ = fit(scenarios.recurrent, tmp_path)
     not_watched = watch.journal.summary()["not_watched"]
     assert any(note.startswith("lstm/lstm_cell: RNN cell") for note in not_watched)
     assert any(note.startswith("gru/gru_cell: RNN cell") for note in not_watched)
@@ -146,7 +136,7 @@ def test_rnn_cells_are_named_as_not_watched(tmp_path, caplog):
 
 
 def test_attention_sublayers_are_watched(tmp_path):
-    _, watch, _ = fit(S.attention, tmp_path)
+    _, watch, _, _ = fit(scenarios.attention, tmp_path)
     layers = watch.journal.summary()["layers"]
     assert "attention" in layers and any(p.startswith("attention/") for p in layers)
 

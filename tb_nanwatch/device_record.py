@@ -1,0 +1,310 @@
+"""The device side of the record: what the compiled step keeps on the device.
+
+A :class:`DeviceRecord` holds, in replica-local variables:
+
+* a ring buffer of ``steps_per_execution`` rows, one per step (a sequence
+  number, the statistics vector, each replica's first non-finite entry),
+  written inside the step and read by the host once per execution
+  (:meth:`DeviceRecord.fetch_rows`: one device-to-host transfer however many
+  steps ran; with ``fit`` and one step per execution not even that, the row
+  is handed over with the step's outputs, see :meth:`DeviceRecord.hand_over`);
+* the batch of the last step that went non-finite (the batch stash);
+* a copy of the trainable weights as they were before the step
+  (``pre_step_weights``), every step or only in a step that may be non-finite.
+
+Both copies stop changing at the first incident, so the reproduction bundle
+holds the exact state that produced it (:meth:`pre_step_state`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import gen_resource_variable_ops
+
+from tb_nanwatch import step_stats
+from tb_nanwatch.schema import Schema
+
+# Sequence numbers are stored in float32: keep them exactly representable.
+SEQ_MODULO = 1 << 23
+
+PRE_STEP_WEIGHTS = ("every_step", "on_suspect", "off")
+
+
+class DeviceRecord:
+    """The ring buffer, batch stash and pre-step weight copies of one run."""
+
+    def __init__(self, steps_per_execution: int = 1, pre_step_weights: str = "on_suspect") -> None:
+        # pre_step_weights: one of PRE_STEP_WEIGHTS (WatchOptions validates it).
+        self.steps_per_execution = max(int(steps_per_execution), 1)
+        self.pre_step_weights = pre_step_weights
+        self._lock = threading.Lock()
+        self._buffer: tf.Variable | None = None
+        self._step_count: tf.Variable | None = None
+        self._batch_stash: list | None = None
+        self._batch_structure: Any = None
+        self._batch_of: tf.Variable | None = None
+        self._pre_step_copies: list[tf.Variable] | None = None
+        self._pre_step_copies_of: tf.Variable | None = None
+        self._incident_captured: tf.Variable | None = None
+        self._replicas = 1
+        self.watched_weights: list | None = None  # the variables of the weight copies
+        self._last_seq = 0
+        self._handed_row: tf.Tensor | None = None
+
+    # -- in the compiled step ------------------------------------------------------
+
+    def ensure(self, vector_size: int, data, weights: list) -> list[tf.Tensor]:
+        """Creates the variables on the first trace (eagerly); the flat batch.
+
+        Every variable is replica-local (``ON_READ``): each replica writes its
+        own copy inside the step with no cross-replica traffic, and the host
+        reads them once per execution. The buffer rows are identical on every
+        replica (the statistics are reduced before they are written); the
+        batch stash holds each replica's own shard.
+        """
+        batch = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
+        self._batch_structure = tf.nest.map_structure(lambda t: None if t is None else 0, data)
+        replicas = step_stats.replicas_in_sync()
+        width = 1 + vector_size + replicas
+        with self._lock:
+            if self._buffer is not None:
+                if self._buffer.shape[1] != width:
+                    raise RuntimeError(
+                        "the watched model changed its structure between traces; "
+                        "create a new NanWatch for the new model"
+                    )
+                return batch
+            with tf.init_scope():
+                self._create(width, batch, weights)
+                self._replicas = replicas
+        return batch
+
+    def _create(self, width: int, batch: list[tf.Tensor], weights: list) -> None:
+        rows = self.steps_per_execution
+        self._buffer = _local_variable(tf.zeros([rows, width], tf.float32), "nanwatch_buffer")
+        self._step_count = _local_variable(tf.constant(0, tf.int64), "nanwatch_counter")
+        self._batch_of = _local_variable(tf.constant(0, tf.int64), "nanwatch_batch_of")
+        self._incident_captured = _local_variable(tf.constant(False), "nanwatch_incident_captured")
+        self._batch_stash = [_stash_variable(t) for t in batch]
+        self.watched_weights = list(weights)
+        if self.pre_step_weights != "off":
+            self._pre_step_copies = [
+                _local_variable(tf.zeros(v.shape, v.dtype), "nanwatch_pre_step_weights")
+                for v in weights
+            ]
+            self._pre_step_copies_of = _local_variable(
+                tf.constant(0, tf.int64), "nanwatch_pre_step_weights_of"
+            )
+
+    def copy_pre_step_weights(self, weights: list, maybe_nonfinite) -> None:
+        """Copies the weights before the update: every step, or ``on_suspect``
+        when ``maybe_nonfinite()`` (a scalar bool tensor) is true."""
+        if self._pre_step_copies is None:
+            return
+        # The copies are frozen at the first incident (see write_row), so with
+        # steps_per_execution > 1 the later steps of the same execution do not
+        # overwrite them.
+        this_step = self._step_count.read_value() + 1
+        capturing = tf.logical_not(self._incident_captured.read_value())
+
+        def copy():
+            for copy_var, v in zip(self._pre_step_copies, weights, strict=False):
+                copy_var.assign(v)
+            self._pre_step_copies_of.assign(this_step)
+            return tf.constant(True)
+
+        if self.pre_step_weights == "every_step":
+            tf.cond(capturing, copy, lambda: tf.constant(False))
+        else:
+            step_stats.rare_cond(
+                tf.logical_and(maybe_nonfinite(), capturing), copy, lambda: tf.constant(False)
+            )
+
+    def write_row(
+        self, schema: Schema, vector: tf.Tensor, replica_first_nonfinite, batch: list
+    ) -> tf.Tensor:
+        """Writes the step's row into the ring buffer; stashes a non-finite
+        step's batch (still at hand after the update: a healthy step copies
+        nothing). Returns the row."""
+        nonfinite, incident = _nonfinite_and_incident(schema, vector)
+        count = self._step_count.assign_add(1)
+        capturing = tf.logical_not(self._incident_captured.read_value())
+
+        def keep_batch():
+            for slot, t in zip(self._batch_stash, batch, strict=False):
+                _stash(slot, t)
+            self._batch_of.assign(count)
+            return tf.constant(True)
+
+        step_stats.rare_cond(
+            tf.logical_and(nonfinite, capturing), keep_batch, lambda: tf.constant(False)
+        )
+        self._incident_captured.assign(tf.logical_or(tf.logical_not(capturing), incident))
+        slot = tf.cast((count - 1) % self.steps_per_execution, tf.int32)
+        seq = tf.cast(count % SEQ_MODULO, tf.float32)
+        first = tf.reshape(replica_first_nonfinite, [-1])
+        row = tf.concat([tf.reshape(seq, [1]), vector, first], 0)
+        # assign(tensor_scatter_nd_update(...)) rather than scatter_nd_update:
+        # distributed variables implement only assign.
+        self._buffer.assign(
+            tf.tensor_scatter_nd_update(
+                self._buffer.read_value(), tf.reshape(slot, [1, 1]), tf.reshape(row, [1, -1])
+            )
+        )
+        return row
+
+    # -- on the host -----------------------------------------------------------------
+
+    def hand_over(self, row: tf.Tensor) -> None:
+        """Takes the row the instrumented Keras train function returned (one
+        step, one replica), so that :meth:`fetch_rows` needs no read."""
+        self._handed_row = row
+
+    def fetch_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The steps written since the last fetch, oldest first (one transfer).
+
+        Each item is ``(stats vector, replica_first_nonfinite)``: item ``r``
+        of the latter is the ordinal of replica ``r``'s first non-finite
+        diagnosed entry as that replica saw it before the cross-replica
+        reduction (the number of diagnosed entries when it had none).
+        """
+        if self._buffer is None:
+            return []
+        handed, self._handed_row = self._handed_row, None
+        # A handed-over row is already a host-side output of the step;
+        # otherwise one read of the device buffer.
+        rows = handed._numpy()[None, :] if handed is not None else _read(_first_local(self._buffer))
+        seqs = rows[:, 0].astype(np.int64)
+        ahead = (seqs - self._last_seq) % SEQ_MODULO
+        fresh = sorted((a, i) for i, a in enumerate(ahead) if 0 < a <= self.steps_per_execution)
+        if fresh:
+            self._last_seq = int(seqs[fresh[-1][1]])
+        size = rows.shape[1] - 1 - self._replicas
+        return [(rows[i, 1 : 1 + size], rows[i, 1 + size :]) for _, i in fresh]
+
+    def pre_step_state(self) -> tuple[list[np.ndarray], list[np.ndarray], Any]:
+        """(weights before the stashed step or [], flat batch, batch structure).
+
+        Under a distribution strategy the batch is this process's replicas'
+        shards, concatenated in replica order.
+        """
+        weights: list[np.ndarray] = []
+        if self._pre_step_copies:
+            # A replica-local copy; take the replica that copied last (with
+            # pre_step_weights="on_suspect" only a replica that may be
+            # non-finite copies).
+            counts = [int(c.numpy()) for c in _locals(self._pre_step_copies_of)]
+            best = int(np.argmax(counts))
+            weights = [_locals(v)[best].numpy() for v in self._pre_step_copies]
+        batch = [_unstash(slot) for slot in self._batch_stash] if self._batch_stash else []
+        return weights, batch, self._batch_structure
+
+    def stashed_steps(self) -> tuple[int | None, int | None]:
+        """(step of the stashed batch, step before which the weights were
+        copied), counted from 0 as the host counts steps; None if none yet."""
+
+        def step(var):
+            if var is None:
+                return None
+            count = max(int(c.numpy()) for c in _locals(var))
+            return count - 1 if count > 0 else None
+
+        return step(self._batch_of), step(self._pre_step_copies_of)
+
+
+def _nonfinite_and_incident(schema: Schema, vector: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """(any diagnosed entry non-finite, the step is an incident), in the graph.
+
+    The same rule as the journal's (the incident rule's home is diagnosis.py):
+    a non-zero nan or inf count in any diagnosed entry, in a step the loss
+    scaler did not skip. (Skip streaks and the loss-scale floor, which need
+    the run's history, are judged on the host only.)
+    """
+    diagnosed = [e for e in schema.entries if e.kind != "header"]
+    counts = schema.indices(diagnosed, "nan") + schema.indices(diagnosed, "inf")
+    nonfinite = tf.reduce_sum(tf.gather(vector, tf.constant(sorted(counts), tf.int32))) > 0
+    skipped = vector[schema.header_index("skipped")] > 0
+    return nonfinite, tf.logical_and(nonfinite, tf.logical_not(skipped))
+
+
+def _local_variable(initial, name: str) -> tf.Variable:
+    """A non-trainable variable each replica writes on its own (``ON_READ``).
+
+    Without a distribution strategy it is a plain variable.
+    """
+    return tf.Variable(
+        initial,
+        trainable=False,
+        name=name,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+def _locals(var) -> list:
+    """The per-replica components of ``var`` held by this process."""
+    values = getattr(var, "values", None)
+    if isinstance(values, (tuple, list)) and values:
+        return list(values)
+    return [var]
+
+
+def _first_local(var):
+    return _locals(var)[0]
+
+
+def _read(var) -> np.ndarray:
+    """The variable's value on the host: one raw read op (``var.numpy()``
+    costs several times more Python around the same transfer)."""
+    return gen_resource_variable_ops.read_variable_op(var.handle, var.dtype)._numpy()
+
+
+# The batch of the current step is kept in a fixed-shape variable (XLA cannot
+# assign a new shape to a variable): rows beyond the first traced batch size
+# are not kept; a smaller batch is padded and its length kept in a companion
+# variable.
+_DEFAULT_ROWS = 1024
+
+
+def _stash_variable(t: tf.Tensor) -> tuple[tf.Variable, tf.Variable] | None:
+    shape = t.shape
+    if shape.rank is None or not all(d is not None for d in shape[1:]):
+        return None  # dynamic feature dims: not kept
+    rows = shape[0] if shape.rank and shape[0] is not None else _DEFAULT_ROWS
+    full = [rows] + list(shape[1:]) if shape.rank else []
+    return (
+        _local_variable(tf.zeros(full, t.dtype), "nanwatch_batch"),
+        _local_variable(tf.constant(0, tf.int32), "nanwatch_batch_rows"),
+    )
+
+
+def _stash(slot, t: tf.Tensor) -> None:
+    if slot is None:
+        return
+    var, rows = slot
+    if t.shape.rank == 0:
+        var.assign(t)
+        return
+    room = var.shape[0]
+    kept = t[:room]
+    n = tf.shape(kept)[0]
+    padding = [[0, room - n]] + [[0, 0]] * (t.shape.rank - 1)
+    var.assign(tf.pad(kept, padding))
+    rows.assign(n)
+
+
+def _unstash(slot) -> np.ndarray | None:
+    if slot is None:
+        return None
+    var, rows = slot
+    shards = []
+    for value, n in zip(_locals(var), _locals(rows), strict=False):
+        value = value.numpy()
+        if value.ndim == 0:
+            return value
+        shards.append(value[: int(n.numpy())])
+    return shards[0] if len(shards) == 1 else np.concatenate(shards, 0)

@@ -1,0 +1,255 @@
+"""The statistics of one train step, phase by phase, inside the compiled step.
+
+:class:`PhaseStatistics` turns what one step computed (a :class:`StepInputs`)
+into the entries of the per-step vector, in diagnosis order: the header, then
+one method per phase (input, forward, loss, backward, update). The tensor
+statistics themselves (NaN/Inf counts, extremes, norms, the cross-replica
+reduction) are :mod:`tb_nanwatch.step_stats`'.
+
+Every op the statistics add is created under the name scope ``STATS_SCOPE``,
+and :func:`readers_first` orders the step's own consumers of a watched tensor
+after our readers of it (see there why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tb_nanwatch import step_stats
+from tb_nanwatch.taps import LayerTaps, StepTrace
+
+# Every op the statistics add to the step graph is created under this scope.
+STATS_SCOPE = "nanwatch_stats"
+# The op types that read a watched tensor directly (a reduction, or the cast
+# before one); each depends on that one tensor only.
+_READER_OPS = frozenset({"L2Loss", "Sum", "Min", "Max", "Cast", "Switch"})
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """What one (replica's) train step computed, as the statistics read it.
+
+    ``grads`` holds the gradients of ``weights`` followed by those of the
+    watched layer tensors (``trace``'s calls, see ``StepRecorder.watched_tensors``).
+    """
+
+    trace: StepTrace
+    x: Any
+    y: Any
+    y_pred: Any
+    loss: tf.Tensor
+    weights: list
+    grads: list
+    optimizer: Any
+    data: Any
+    model: keras.Model
+
+    @property
+    def weight_grads(self) -> list:
+        return list(self.grads[: len(self.weights)])
+
+    @property
+    def watched_grads(self) -> list:
+        return list(self.grads[len(self.weights) :])
+
+
+def named_tensors(
+    value: Any, prefix: str, preferred: list[str] | None = None
+) -> list[tuple[str, tf.Tensor]]:
+    """Flattens inputs or targets into (name, tensor) pairs."""
+    if isinstance(value, dict):
+        return [(f"{prefix}{k}", value[k]) for k in sorted(value) if value[k] is not None]
+    flat = [t for t in tf.nest.flatten(value) if t is not None]
+    if preferred and len(preferred) == len(flat):
+        return [(f"{prefix}{n}", t) for n, t in zip(preferred, flat, strict=False)]
+    if len(flat) == 1:
+        return [(prefix.rstrip("/:") or "input", flat[0])]
+    return [(f"{prefix}{i}", t) for i, t in enumerate(flat)]
+
+
+class PhaseStatistics:
+    """Adds each phase's entries to a :class:`~tb_nanwatch.step_stats.StatsBuilder`."""
+
+    def __init__(self, taps: LayerTaps) -> None:
+        self.taps = taps
+
+    def before_update(self, inputs: StepInputs) -> step_stats.StatsBuilder:
+        """The header, input, forward, loss and backward entries of one step."""
+        builder = step_stats.StatsBuilder()
+        grad_fields = [step_stats.gradient_fields([g]) for g in inputs.weight_grads]
+        self.header(builder, inputs, grad_fields)
+        self.input(builder, inputs)
+        self.forward(builder, inputs)
+        self.loss(builder, inputs)
+        self.backward(builder, inputs, grad_fields)
+        return builder
+
+    def header(self, builder, inputs: StepInputs, grad_fields: list[dict]) -> None:
+        """Loss, gradient norm (unscaled), learning rate, loss scale, skipped, iterations."""
+        optimizer = inputs.optimizer
+        is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        if is_lso:
+            scale = optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale
+            scale = tf.cast(scale, tf.float32)
+        else:
+            scale = tf.constant(1.0)
+        grad_sumsq = tf.add_n([f["norm"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
+        skipped = _skipped_by_loss_scaler(grad_fields, grad_sumsq) if is_lso else tf.constant(0.0)
+        lr = optimizer.learning_rate if optimizer is not None else 0.0
+        iterations = optimizer.iterations if optimizer is not None else 0
+        fields = {
+            "loss": tf.cast(inputs.loss, tf.float32),
+            "grad_norm": grad_sumsq / (scale * scale),
+            "lr": tf.cast(lr, tf.float32),
+            "loss_scale": scale if is_lso else tf.constant(0.0),
+            "skipped": skipped,
+            "iterations": tf.cast(iterations, tf.float32),
+        }
+        builder.add("header", "header", None, "step header", fields)
+
+    def input(self, builder, inputs: StepInputs) -> None:
+        """The model inputs and the targets."""
+        model_inputs = getattr(inputs.model, "inputs", None) or []
+        input_names = [getattr(t, "name", None) for t in model_inputs]
+        input_names = [n.split(":")[0] for n in input_names if n]
+        for name, t in named_tensors(inputs.x, "", input_names):
+            fields = step_stats.tensor_fields([t])
+            builder.add("input", "input", name, f"model input {name}", fields)
+        if inputs.y is not None:
+            for name, t in named_tensors(inputs.y, "target/"):
+                fields = step_stats.tensor_fields([t])
+                builder.add("input", "input", name, f"target {name}", fields)
+
+    def forward(self, builder, inputs: StepInputs) -> None:
+        """Every watched layer's output, then each model output's logits."""
+        for call in inputs.trace.calls:
+            fields = step_stats.tensor_fields(call.outputs)
+            builder.add("forward", "activation", call.path, f"output of {call.path}", fields)
+        output_names = list(getattr(inputs.model, "output_names", None) or [])
+        flat_pred = [t for t in tf.nest.flatten(inputs.y_pred) if t is not None]
+        if len(output_names) != len(flat_pred):
+            output_names = [f"output_{i}" for i in range(len(flat_pred))]
+        for name, t in zip(output_names, flat_pred, strict=False):
+            logits = getattr(t, "_keras_logits", None)
+            what = "logits (before the final activation)" if logits is not None else "output"
+            fields = step_stats.tensor_fields([logits if logits is not None else t])
+            builder.add("forward", "logits", name, f"{what} of model output {name}", fields)
+
+    def loss(self, builder, inputs: StepInputs) -> None:
+        """Each output's loss, then the total."""
+        for name, value in inputs.trace.losses:
+            builder.add("loss", "loss", name, f"loss of output {name}", _loss_fields(value))
+        builder.add("loss", "loss", None, "total loss", _loss_fields(inputs.loss))
+
+    def backward(self, builder, inputs: StepInputs, grad_fields: list[dict]) -> None:
+        """In reverse execution order, per layer: the gradient w.r.t. its
+        output, its variables' gradients, the gradient w.r.t. its input."""
+        owners = self.taps.variable_owners()
+        grads_by_owner: dict[str | None, list[tuple[Any, dict]]] = {}
+        for v, fields in zip(inputs.weights, grad_fields, strict=False):
+            grads_by_owner.setdefault(owners.get(id(v)), []).append((v, fields))
+        for call, out_grads, in_grads in reversed(_grads_per_call(inputs)):
+            path = call.path
+            fields = step_stats.gradient_fields(out_grads)
+            builder.add("backward", "grad_out", path, f"gradient w.r.t. output of {path}", fields)
+            if "#" not in path:
+                for v, fields in grads_by_owner.pop(path, []):
+                    builder.add("backward", "grad_var", path, f"gradient of {v.path}", fields)
+            if in_grads:  # none when the input is not computed from any weight
+                fields = step_stats.gradient_fields(in_grads)
+                tensor = f"gradient w.r.t. input of {path}"
+                builder.add("backward", "grad_in", path, tensor, fields)
+        for owner, items in grads_by_owner.items():
+            for v, fields in items:
+                builder.add("backward", "grad_var", owner, f"gradient of {v.path}", fields)
+
+    def update(self, builder, weights: list) -> None:
+        """Each variable after the optimizer's update."""
+        owners = self.taps.variable_owners()
+        for v in weights:
+            value = tf.convert_to_tensor(v)
+            fields = {"nan": step_stats.count_nan(value), "inf": step_stats.count_inf(value)}
+            builder.add(
+                "update", "weights", owners.get(id(v)), f"{v.path} after the update", fields
+            )
+
+
+def _grads_per_call(inputs: StepInputs) -> list[tuple[Any, list, list]]:
+    """(layer call, gradients w.r.t. its outputs, w.r.t. its inputs), in call order."""
+    watched = inputs.watched_grads
+    position, per_call = 0, []
+    for call in inputs.trace.calls:
+        n_out, n_in = len(call.outputs), len(call.inputs)
+        outs = watched[position : position + n_out]
+        ins = watched[position + n_out : position + n_out + n_in]
+        per_call.append((call, outs, ins))
+        position += n_out + n_in
+    return per_call
+
+
+def _skipped_by_loss_scaler(grad_fields: list[dict], grad_sumsq: tf.Tensor) -> tf.Tensor:
+    """1.0 when a gradient holds a NaN/Inf (the loss scaler skips the step).
+
+    The exact test runs only when the sum of squares, which any NaN/Inf
+    makes non-finite, is not finite."""
+    if not grad_fields:
+        return tf.constant(0.0)
+
+    def exact() -> tf.Tensor:
+        nonfinite = tf.add_n([step_stats.exact_nonfinite_count(f) for f in grad_fields])
+        return tf.cast(nonfinite > 0, tf.float32)
+
+    return step_stats.rare_cond(tf.math.is_finite(grad_sumsq), lambda: tf.constant(0.0), exact)
+
+
+def _loss_fields(value) -> dict:
+    value = tf.cast(tf.reduce_mean(value), tf.float32)
+    return {
+        "nan": tf.cast(tf.math.is_nan(value), tf.float32),
+        "inf": tf.cast(tf.math.is_inf(value), tf.float32),
+        "value": value,
+    }
+
+
+# A name scope opened twice in one graph becomes ``nanwatch_stats_1``, and a
+# replica's ops are prefixed (``replica_1/...``): match any path component.
+_OUR_SCOPE = re.compile(rf"(^|/){STATS_SCOPE}(_\d+)?/")
+
+
+def is_ours(op) -> bool:
+    """Whether ``op`` belongs to the statistics (was made under ``STATS_SCOPE``)."""
+    return _OUR_SCOPE.search(op.name) is not None
+
+
+def readers_first(tensors: list) -> None:
+    """Makes the step's own consumers of each tensor wait for our readers.
+
+    TensorFlow lets an elementwise op write its result into its input's
+    buffer when it is that buffer's last user (``ReluGrad`` into the incoming
+    gradient, the optimizer's ``Sub``/``Mul`` into a weight's gradient). A
+    statistic reading the same gradient afterwards takes that away, and every
+    such op then allocates a fresh buffer: on a CPU that cost more than the
+    statistics themselves. Running our reader first (a few microseconds; it
+    depends on that tensor only, so no cycle can form) gives the buffer back
+    to the step's op. Values are unchanged; only the order is.
+    """
+    seen = set()
+    for t in tensors:
+        if isinstance(t, tf.IndexedSlices):
+            t = t.values
+        if not hasattr(t, "consumers") or id(t) in seen:
+            continue
+        seen.add(id(t))
+        consumers = t.consumers()
+        readers = [op for op in consumers if is_ours(op) and op.type in _READER_OPS]
+        if not readers:
+            continue
+        for op in consumers:
+            if not is_ours(op):
+                for reader in readers:
+                    op._add_control_input(reader)

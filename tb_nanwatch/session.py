@@ -1,0 +1,413 @@
+"""One watched training run, shared by both front ends.
+
+:class:`~tb_nanwatch.callback.NanWatch` (``fit``) and
+:class:`~tb_nanwatch.custom_loop.StepWatcher` (custom training loops) are thin
+adapters around a :class:`WatchSession`, which owns everything they have in
+common: the options (validated once, :class:`WatchOptions`), turning the rows
+the compiled step wrote into the on-disk record (a
+:class:`~tb_nanwatch.journal.RunJournal`, one device read per execution), the
+incident (reproduction bundle, console message, stop / raise / continue),
+the report of layers it cannot watch, disabling itself on its own failure
+(one ``RuntimeWarning``, training goes on) and the final status.
+
+Under ``MultiWorkerMirroredStrategy`` every worker keeps its own record: the
+chief writes the run dir it was given, any other worker writes
+``<log_dir>/<task_type>_<task_id>`` (so no two processes ever write the same
+event file). The statistics are reduced across all replicas, so each record
+holds the merged view; each worker's reproduction bundle holds *its own* data
+shard, which is where a bad shard shows up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import posixpath
+import sys
+import uuid
+import warnings
+from collections.abc import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tb_nanwatch import bundle
+from tb_nanwatch.device_record import PRE_STEP_WEIGHTS
+from tb_nanwatch.event_writer import RunWriter
+from tb_nanwatch.journal import JournalSettings, RunJournal
+from tb_nanwatch.recorder import StepRecorder
+
+logger = logging.getLogger("tb_nanwatch")
+
+ON_NONFINITE = ("stop", "raise", "continue")
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by ``on_nonfinite="raise"``; ``.incident`` holds the diagnosis."""
+
+    def __init__(self, incident: dict) -> None:
+        super().__init__(describe_incident(incident))
+        self.incident = incident
+
+
+def describe_incident(incident: dict) -> str:
+    """The one-line console description of an incident."""
+    return (
+        f"first non-finite value at step {incident['step']} "
+        f"(epoch {incident.get('epoch')}, batch {incident.get('batch')}): "
+        f"phase={incident['phase']} layer={incident['layer']} "
+        f"tensor={incident['tensor']!r} kind={incident['kind']}"
+    )
+
+
+def check_writable(log_dir: str, argument: str = "log_dir") -> None:
+    """Raises ValueError naming ``argument`` unless ``log_dir`` can be written."""
+    if not isinstance(log_dir, str) or not log_dir:
+        raise ValueError(f"{argument} must be a non-empty path string, got {log_dir!r}")
+    probe = posixpath.join(log_dir, f".nanwatch-write-test-{uuid.uuid4().hex}")
+    try:
+        tf.io.gfile.makedirs(log_dir)
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("ok")
+        tf.io.gfile.remove(probe)
+    except Exception as error:  # noqa: BLE001 - any failure means "not writable"
+        raise ValueError(f"{argument} {log_dir!r} is not writable: {error}") from None
+
+
+def positive_int(name: str, value, allow_zero: bool = False) -> int:
+    """``value`` if it is an int >= 1 (>= 0 with ``allow_zero``), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass
+class WatchOptions:
+    """The options NanWatch and StepWatcher share (see NanWatch's docstring)."""
+
+    on_nonfinite: str = "stop"
+    window: int = 32
+    max_consecutive_skips: int = 20
+    min_loss_scale: float = 1.0
+    snapshot_every: int = 1000
+    flush_secs: float = 10.0
+    pre_step_weights: str = "on_suspect"
+    explosion_factor: float = 1e3
+
+    def __post_init__(self) -> None:
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(
+                f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}"
+            )
+        if self.pre_step_weights not in PRE_STEP_WEIGHTS:
+            raise ValueError(
+                f"pre_step_weights must be one of {PRE_STEP_WEIGHTS}, got {self.pre_step_weights!r}"
+            )
+        positive_int("window", self.window)
+        positive_int("max_consecutive_skips", self.max_consecutive_skips, allow_zero=True)
+        positive_int("snapshot_every", self.snapshot_every, allow_zero=True)
+        if not isinstance(self.flush_secs, (int, float)) or self.flush_secs <= 0:
+            raise ValueError(f"flush_secs must be a positive number, got {self.flush_secs!r}")
+        if not isinstance(self.explosion_factor, (int, float)) or self.explosion_factor <= 10:
+            raise ValueError(
+                f"explosion_factor must be a number > 10, got {self.explosion_factor!r}"
+            )
+        if not isinstance(self.min_loss_scale, (int, float)) or self.min_loss_scale < 0:
+            raise ValueError(f"min_loss_scale must be a number >= 0, got {self.min_loss_scale!r}")
+
+    @classmethod
+    def from_arguments(cls, arguments: dict) -> WatchOptions:
+        """The options among a front end's constructor arguments (same names)."""
+        return cls(**{f.name: arguments[f.name] for f in dataclasses.fields(cls)})
+
+    def journal_settings(self) -> JournalSettings:
+        return JournalSettings(
+            window=self.window,
+            snapshot_every=self.snapshot_every,
+            max_consecutive_skips=self.max_consecutive_skips,
+            min_loss_scale=self.min_loss_scale,
+            flush_secs=self.flush_secs,
+            explosion_factor=self.explosion_factor,
+        )
+
+
+@dataclasses.dataclass
+class WorkerInfo:
+    """Where this process sits in a multi-worker cluster."""
+
+    task_type: str
+    task_id: int
+    is_chief: bool
+    tasks: list[str]  # every task, in global replica order ("chief_0", "worker_0", ...)
+
+    @property
+    def name(self) -> str:
+        return f"{self.task_type}_{self.task_id}"
+
+
+def worker_info(strategy) -> WorkerInfo | None:
+    """The cluster position under MultiWorkerMirroredStrategy, else None."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return None
+    try:
+        spec = resolver.cluster_spec().as_dict()
+    except Exception:  # noqa: BLE001
+        return None
+    if not spec or resolver.task_type is None:
+        return None
+    tasks = [f"chief_{i}" for i in range(len(spec.get("chief", [])))]
+    tasks += [f"worker_{i}" for i in range(len(spec.get("worker", [])))]
+    if len(tasks) <= 1:
+        return None
+    task_type, task_id = str(resolver.task_type), int(resolver.task_id or 0)
+    is_chief = task_type == "chief" or (
+        task_type == "worker" and task_id == 0 and "chief" not in spec
+    )
+    return WorkerInfo(task_type, task_id, is_chief, tasks)
+
+
+def worker_run_dir(log_dir: str, info: WorkerInfo | None) -> str:
+    """The chief (or a single process) writes ``log_dir``; others a subdir."""
+    if info is None or info.is_chief:
+        return log_dir
+    return posixpath.join(log_dir, info.name)
+
+
+def base_run_info(recorder: StepRecorder, model, optimizer, options: WatchOptions) -> dict:
+    """The run summary fields both front ends write."""
+    strategy = recorder.strategy
+    return {
+        "model": getattr(model, "name", type(model).__name__),
+        "framework": f"keras {keras.__version__} / tensorflow {tf.__version__}",
+        "layers": recorder.tapped_layers,
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "jit_compile": bool(getattr(model, "jit_compile", False)),
+        "steps_per_execution": recorder.steps_per_execution,
+        "replicas": strategy.num_replicas_in_sync,
+        "strategy": type(strategy).__name__,
+        "on_nonfinite": options.on_nonfinite,
+    }
+
+
+def warn_stopped_watching(reason: str, stacklevel: int = 3) -> None:
+    """The one warning the watcher gives when it stops watching on its own failure."""
+    warnings.warn(f"NanWatch stopped watching: {reason}", RuntimeWarning, stacklevel=stacklevel)
+
+
+def report_not_watched(not_watched: list[str]) -> None:
+    """Tells the user, once per run, which layers are not watched one by one."""
+    if not_watched:
+        logger.warning(
+            "NanWatch does not watch these layers one by one (their calls run inside an "
+            "inner loop or function, e.g. an RNN cell, or they were not called in the "
+            "training step); the layer around them is watched: %s",
+            ", ".join(not_watched),
+        )
+
+
+class WatchSession:
+    """One watched run: the recorder's rows in, the record and decisions out.
+
+    ``release`` undoes the front end's instrumentation; the session calls it
+    when it stops watching (its own failure, ``"raise"``).
+    """
+
+    def __init__(
+        self,
+        log_dir: str,
+        recorder: StepRecorder,
+        options: WatchOptions,
+        run_info: dict,
+        release: Callable[[], None],
+    ) -> None:
+        self.recorder = recorder
+        self.options = options
+        self.worker = worker_info(recorder.strategy)
+        self.log_dir = worker_run_dir(log_dir, self.worker)
+        self.run_info = dict(run_info)
+        if self.worker is not None:
+            self.run_info["worker"] = self.worker.name
+            self.run_info["chief"] = self.worker.is_chief
+            self.run_info["workers"] = self.worker.tasks
+        self._release = release
+        self.journal: RunJournal | None = None
+        self.incident: dict | None = None
+        self.disabled = False
+        self.closed = False
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+
+    # -- per step ----------------------------------------------------------------
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.batch_in_epoch = 0
+
+    def end_step(self) -> dict | None:
+        """Records every step the compiled function ran since the last call.
+
+        Returns the first new incident after saving its bundle and printing it
+        (the front end then stops, or calls :meth:`raise_incident`); None
+        otherwise. A failure of the watcher itself disables it (one warning).
+        """
+        if self.disabled or self.closed:
+            return None
+        if self.recorder.trace_error is not None:
+            self.disable(f"could not build its statistics: {self.recorder.trace_error!r}")
+            return None
+        try:
+            incident = self._record_new_steps()
+        except Exception as error:  # noqa: BLE001 - never break the user's training
+            self.disable(f"recording failed: {error!r}")
+            return None
+        if incident is None:
+            return None
+        self.incident = incident
+        try:
+            self._save_bundle(incident)
+        except Exception as error:  # noqa: BLE001
+            warnings.warn(
+                f"NanWatch could not save the reproduction bundle: {error!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        print(f"NanWatch: {describe_incident(incident)}", file=sys.stderr)
+        return incident
+
+    @property
+    def stops_training(self) -> bool:
+        """Whether an incident was found and ``on_nonfinite="stop"``."""
+        return self.incident is not None and self.options.on_nonfinite == "stop"
+
+    def raise_if_asked(self, incident: dict) -> None:
+        """With ``on_nonfinite="raise"``: closes the record and raises."""
+        if self.options.on_nonfinite == "raise":
+            self._release()
+            self.close("raised")
+            raise NonFiniteError(incident)
+
+    def _record_new_steps(self) -> dict | None:
+        # With steps_per_execution > 1 this runs once per execution and
+        # records every step of it (the device buffer holds one row a step).
+        rows = self.recorder.device.fetch_rows()
+        if rows and self.journal is None:
+            self.journal = self._open_journal()
+        first_incident = None
+        for vector, replica_first_nonfinite in rows:
+            incident = self.journal.record(
+                self.step,
+                self.epoch,
+                self.batch_in_epoch,
+                vector,
+                extra=self._replica_view(replica_first_nonfinite),
+            )
+            self.step += 1
+            self.batch_in_epoch += 1
+            if incident is not None and first_incident is None:
+                first_incident = incident
+        return first_incident
+
+    def _open_journal(self) -> RunJournal:
+        info = dict(self.run_info)
+        not_watched = self.recorder.not_watched()
+        if not_watched:
+            info["not_watched"] = not_watched
+        report_not_watched(not_watched)
+        return RunJournal(
+            self.log_dir,
+            self.recorder.schema,
+            info,
+            self.options.journal_settings(),
+            writer=RunWriter(self.log_dir),
+        )
+
+    def _replica_view(self, replica_first_nonfinite: np.ndarray) -> dict | None:
+        """Which replica went non-finite first (only with several replicas)."""
+        if len(replica_first_nonfinite) <= 1:
+            return None
+        entries = [e for e in self.recorder.schema.entries if e.kind != "header"]
+        ordinals = [round(float(v)) for v in replica_first_nonfinite]
+        origin = min(ordinals)
+        if origin >= len(entries):
+            return None
+        at_origin = [r for r, o in enumerate(ordinals) if o == origin]
+        view = {
+            "replica": at_origin[0],
+            "replicas_at_origin": at_origin,
+            "num_replicas": len(ordinals),
+            "replica_first_nonfinite": [
+                None
+                if o >= len(entries)
+                else {
+                    "phase": entries[o].phase,
+                    "layer": entries[o].layer,
+                    "tensor": entries[o].tensor,
+                }
+                for o in ordinals
+            ],
+        }
+        if self.worker is not None:
+            per_worker = max(len(ordinals) // len(self.worker.tasks), 1)
+            view["worker"] = self.worker.tasks[
+                min(at_origin[0] // per_worker, len(self.worker.tasks) - 1)
+            ]
+        return view
+
+    def _save_bundle(self, incident: dict) -> None:
+        """Writes the reproduction bundle (batch and pre-step weights)."""
+        weights, batch, structure = self.recorder.device.pre_step_state()
+        batch_step, weights_step = self.recorder.device.stashed_steps()
+        names = [v.path for v in self.recorder.watched_weights]
+        if not weights:
+            weights_step = None
+        if self.options.pre_step_weights == "on_suspect" and incident["phase"] == "update":
+            weights, weights_step = [], None
+        exact = batch_step == incident["step"] and (
+            weights_step is None or weights_step == incident["step"]
+        )
+        info = {
+            "weights_before_step": weights_step,  # the bundle layout's key
+            "batch_of_step": batch_step,
+            "exact": exact,
+            "pre_step_weights": self.options.pre_step_weights,
+            "incident": incident,
+        }
+        strategy = self.recorder.strategy
+        if strategy.num_replicas_in_sync > 1:
+            info["batch_shards"] = (
+                f"the shards of this process's replicas, concatenated "
+                f"({len(strategy.extended.worker_devices)} replica(s))"
+            )
+        if self.worker is not None:
+            info["worker"] = self.worker.name
+        weights_by_name = dict(zip(names, weights, strict=False))
+        relative = bundle.save_bundle(
+            self.log_dir, incident["step"], weights_by_name, batch, structure, info
+        )
+        self.journal.set_repro_bundle(relative)
+
+    # -- failure and the end -------------------------------------------------------
+
+    def disable(self, reason: str) -> None:
+        """Stops watching after the watcher's own failure: one warning, no raise."""
+        if not self.disabled:
+            warn_stopped_watching(reason, stacklevel=4)
+        self.disabled = True
+        self._release()
+
+    def final_status(self) -> str:
+        return "stopped" if self.stops_training else "finished"
+
+    def close(self, status: str | None = None) -> None:
+        """Writes the final run summary (``status``: "stopped"/"finished" by default)."""
+        self.closed = True
+        if self.journal is None or self.journal.closed:
+            return
+        try:
+            self.journal.close(status or self.final_status())
+        except Exception as error:  # noqa: BLE001
+            self.disable(f"could not close the record: {error!r}")

@@ -1,0 +1,100 @@
+"""The instrumented Keras train step: the only module that touches ``keras.src``.
+
+:func:`instrument` replaces ``model.train_step`` (on the instance) by a copy
+of Keras' own TensorFlow-backend step with the recorder's calls in it, and
+rebuilds the train function; :func:`restore` undoes both.
+
+The row hand-over: with one step per execution and one replica the step also
+returns its statistics row under ``ROW_KEY``; the wrapped train function
+takes it out of the outputs and gives it straight to the device record
+(:meth:`~tb_nanwatch.device_record.DeviceRecord.hand_over`), so the host
+needs no separate read of the device buffer and the row never reaches Keras'
+logs or any callback.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tb_nanwatch import step_stats
+from tb_nanwatch.device_record import DeviceRecord
+from tb_nanwatch.phase_stats import StepInputs
+from tb_nanwatch.recorder import StepRecorder
+
+# The key under which the instrumented train step also returns the step's row.
+ROW_KEY = "_nanwatch_row"
+
+
+def overrides_train_step(model: keras.Model) -> bool:
+    """Whether ``model``'s class has its own ``train_step`` (not instrumentable)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return type(model).train_step is not TensorFlowTrainer.train_step
+
+
+def instrument(model: keras.Model, recorder: StepRecorder) -> None:
+    """Makes ``model``'s train function run the recorded train step."""
+    object.__setattr__(model, "train_step", lambda data: recorded_train_step(recorder, data))
+    model.make_train_function(force=True)
+    model.train_function = _handing_over(model.train_function, recorder.device)
+
+
+def restore(model: keras.Model | None) -> None:
+    """Gives ``model`` back its own train step and train function."""
+    if model is not None and "train_step" in model.__dict__:
+        del model.__dict__["train_step"]
+        model.make_train_function(force=True)
+
+
+def recorded_train_step(recorder: StepRecorder, data):
+    """Keras' ``train_step`` (TensorFlow backend), with the recorder's calls."""
+    from keras.src.losses import loss as loss_module
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    model = recorder.model
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    with tf.GradientTape() as tape:
+        with recorder.taps.recording(tape) as trace:
+            if model._call_has_training_arg:
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+            recorder.taps.install_loss_taps(y, y_pred)
+            loss = model._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+        model._loss_tracker.update_state(
+            loss_module.unscale_loss_for_distribution(loss),
+            sample_weight=tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0],
+        )
+        scaled_loss = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
+    weights = model.trainable_weights
+    if weights:
+        all_grads = tape.gradient(scaled_loss, list(weights) + recorder.watched_tensors(trace))
+        grads = all_grads[: len(weights)]
+    else:
+        all_grads, grads = [], []
+    inputs = StepInputs(trace, x, y, y_pred, loss, weights, all_grads, model.optimizer, data, model)
+    pending = recorder.guarded(recorder.before_update, inputs)
+    if weights:
+        model.optimizer.apply_gradients(zip(grads, weights, strict=False))
+    row = None if pending is None else recorder.guarded(recorder.after_update, pending, weights)
+    logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    if row is not None and recorder.steps_per_execution == 1 and step_stats.replicas_in_sync() == 1:
+        logs = {**logs, ROW_KEY: row}
+    return logs
+
+
+def _handing_over(train_function, device: DeviceRecord):
+    """Wraps Keras' train function: the step's row, returned under
+    ``ROW_KEY``, goes to the device record and never reaches the logs."""
+
+    def train_function_without_row(iterator):
+        logs = train_function(iterator)
+        if isinstance(logs, dict) and ROW_KEY in logs:
+            logs = dict(logs)
+            device.hand_over(logs.pop(ROW_KEY))
+        return logs
+
+    return train_function_without_row

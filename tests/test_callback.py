@@ -1,0 +1,176 @@
+"""The NanWatch callback under ``fit``: the diagnosis of each origin case, the
+on_nonfinite modes, the reproduction bundle, its own failures and bad arguments."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import scenarios
+import tensorflow as tf
+from scenarios import fit, origin
+
+import tb_nanwatch
+from tb_nanwatch.callback import NonFiniteError
+
+
+@pytest.mark.parametrize("build", scenarios.ORIGIN_CASES, ids=lambda b: b.__name__)
+def test_fit_finds_the_step_phase_layer_and_kind_of_each_origin(build, tmp_path):
+    model, watch, truth, _ = fit(build, tmp_path)
+    assert origin(watch.incident) == truth
+    # "stop" ends training right after the incident step.
+    assert watch.journal.steps == truth["step"] + 1
+    assert watch.journal.status == "stopped"
+
+
+@pytest.mark.parametrize(
+    "build", [scenarios.backward_sqrt_zero, scenarios.update_adam_eps0], ids=lambda b: b.__name__
+)
+def test_xla_gives_the_same_diagnosis(build, tmp_path):
+    _, watch, truth, _ = fit(build, tmp_path, compile_kwargs={"jit_compile": True})
+    assert origin(watch.incident) == truth
+
+
+def test_healthy_run_has_no_incident_no_explosion(tmp_path):
+    _, watch, _, history = fit(scenarios.healthy, tmp_path, epochs=2)
+    assert watch.incident is None
+    assert watch.journal.explosion_onset is None
+    assert watch.journal.skipped_steps == []
+    assert watch.journal.steps == 120
+    assert len(history.history["loss"]) == 2
+
+
+def test_explosion_without_nan_is_flagged_at_the_learning_rate_jump(tmp_path):
+    _, watch, truth, _ = fit(scenarios.exploding, tmp_path)
+    assert watch.incident is None
+    onset = watch.journal.explosion_onset
+    assert onset is not None
+    assert truth["jump_step"] <= onset["step"] <= truth["jump_step"] + 10
+    assert onset["signal"] in ("loss", "grad_norm", "logits")
+
+
+@pytest.fixture
+def mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_precision_skips_are_listed_not_incidents(tmp_path, mixed_precision):
+    _, watch, _, _ = fit(scenarios.mixed_precision_skips, tmp_path)
+    assert watch.incident is None
+    skipped = watch.journal.skipped_steps
+    assert skipped[:3] == [0, 1, 2]  # the initial loss scale overflows first
+    assert watch.journal.steps == 40
+    loss_scale = watch.journal.schema.header_index("loss_scale")
+    _, window = watch.journal.flight_window()
+    assert window[-1, loss_scale] < 2**15  # the loss scale came down
+
+
+def test_a_streak_of_loss_scaler_skips_is_an_incident(tmp_path, mixed_precision):
+    _, watch, _, _ = fit(scenarios.mixed_precision_skips, tmp_path, max_consecutive_skips=3)
+    assert watch.incident is not None
+    assert watch.incident["step"] == 0
+    assert "consecutive" in watch.incident["note"]
+
+
+def test_raise_mode_raises_after_writing(tmp_path):
+    keras.utils.set_random_seed(0)
+    model, kwargs, truth = scenarios.input_nan()
+    with pytest.raises(NonFiniteError) as info:
+        model.fit(
+            **kwargs,
+            callbacks=[tb_nanwatch.NanWatch(str(tmp_path), on_nonfinite="raise")],
+            verbose=0,
+        )
+    assert info.value.incident["step"] == truth["step"]
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
+
+
+def test_continue_mode_keeps_training_and_first_incident(tmp_path):
+    _, watch, truth, _ = fit(scenarios.input_nan, tmp_path, on_nonfinite="continue")
+    assert watch.incident["step"] == truth["step"]
+    assert watch.journal.steps == 12
+
+
+def test_repro_bundle_holds_batch_and_pre_step_weights(tmp_path):
+    model, watch, truth, _ = fit(scenarios.backward_sqrt_zero, tmp_path)
+    bundle = tb_nanwatch.load_bundle(str(tmp_path))
+    assert bundle.step == truth["step"]
+    x, y = bundle.batch
+    assert x.shape == (scenarios.BATCH, 3) and (x[1] == 0).all()
+    # Before the step every weight was finite; the model now holds NaNs.
+    assert all(np.isfinite(w).all() for w in bundle.weights.values())
+    assert not all(np.isfinite(w.numpy()).all() for w in model.trainable_weights)
+    # Replaying the saved step from the saved weights reproduces the NaN.
+    bundle.restore(model)
+    model.train_on_batch(x, y)
+    assert not np.isfinite(model.get_layer("encode").kernel.numpy()).all()
+
+
+def test_stop_keeps_backup_and_restore_state(tmp_path):
+    backup_dir = tmp_path / "backup"
+    keras.utils.set_random_seed(0)
+    model, kwargs, truth = scenarios.input_nan(nan_step=20, steps=24)
+    data = tf.data.Dataset.from_tensor_slices((kwargs["x"], kwargs["y"])).batch(scenarios.BATCH)
+    backup = keras.callbacks.BackupAndRestore(str(backup_dir))
+    watch = tb_nanwatch.NanWatch(str(tmp_path / "run"))
+    # Two 12-step epochs: the backup is saved after epoch 0, the NaN comes at step 20.
+    model.fit(data, steps_per_epoch=12, epochs=2, callbacks=[backup, watch], verbose=0)
+    assert watch.incident["step"] == truth["step"]
+    assert (watch.incident["epoch"], watch.incident["batch"]) == (1, 8)
+    saved = list(backup_dir.rglob("*.weights.h5"))
+    assert saved, "BackupAndRestore's backup was deleted"
+    restored = scenarios.input_nan()[0]
+    restored.load_weights(str(saved[0]))
+    assert all(np.isfinite(w.numpy()).all() for w in restored.weights)
+
+
+def test_watcher_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    from tb_nanwatch import journal
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(journal.RunJournal, "record", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, watch, _, history = fit(scenarios.healthy, tmp_path)
+    ours = [w for w in caught if "NanWatch stopped watching" in str(w.message)]
+    assert len(ours) == 1 and "boom" in str(ours[0].message)
+    assert len(history.history["loss"]) == 1
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        tb_nanwatch.NanWatch("/tmp/nanwatch-args", on_nonfinite="explode")
+    with pytest.raises(ValueError, match="window"):
+        tb_nanwatch.NanWatch("/tmp/nanwatch-args", window=-1)
+
+
+def test_unwritable_log_dir_is_named(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="log_dir"):
+        tb_nanwatch.NanWatch(str(blocker / "run"))
+
+
+def test_uncompiled_model_is_named(tmp_path):
+    model = scenarios.mlp()
+    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    watch.set_model(model)
+    with pytest.raises(ValueError, match="model must be compiled"):
+        watch.on_train_begin()
+
+
+def test_every_step_is_recorded_across_epochs(tmp_path):
+    _, watch, _, _ = fit(scenarios.healthy, tmp_path, epochs=3)
+    summary = watch.journal.summary()
+    assert summary["steps"] == 180
+    assert summary["status"] == "finished"
+    layers = summary["layers"]
+    assert layers == ["dense_0", "dense_1", "dense_2", "head"]
+    tf.debugging.assert_equal(len(watch.journal.series_columns) > 10, True)
