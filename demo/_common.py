@@ -68,7 +68,7 @@ def describe(entry: dict) -> str:
             f"no NaN/Inf in {entry['steps']} steps; explosion onset at step "
             f"{explosion['step']} (first signal: {explosion['signal']})"
         )
-    return f"healthy: no NaN/Inf and no explosion in {entry['steps']} steps"
+    return f"no NaN/Inf and no explosion in {entry['steps']} steps"
 
 
 def describe_run(log_dir: str) -> str:
