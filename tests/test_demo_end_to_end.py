@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +96,9 @@ def test_every_demo_is_run_and_said_in_words(demo_run, report):
     printed = demo_run[1]
     assert sorted(report) == sorted(run_all.SCENARIOS)
     for name in run_all.SCENARIOS:
-        (line,) = [x for x in printed.splitlines() if f"] {name}: " in x and ": step " not in x]
+        said = [x for x in printed.splitlines() if f"] {name}: " in x]
+        assert said[0].endswith(f"] {name}: starting"), said
+        (line,) = [x for x in said[1:] if not re.search(r": step \d+/\d+$", x)]
         assert "{" not in line and "None" not in line, line
     lines = {
         f"{SEED000}: first non-finite at step {seed000_nested_sigmoid_bce.PAD_STEP}, "
