@@ -85,15 +85,15 @@ class Children:
 
 class ProgressLine:
     """One line per scenario: redrawn in place on a terminal, a line every
-    PLAIN_PROGRESS_EVERY_S otherwise (logs, pipes)."""
+    PLAIN_PROGRESS_EVERY_S (the first at once) otherwise (logs, pipes)."""
 
     def __init__(self, stream=sys.stdout) -> None:
         self.stream = stream
         self.live = stream.isatty()
-        self._last_plain = 0.0
+        self._last_plain: float | None = None
 
     def start(self, name: str) -> None:
-        self._last_plain = 0.0
+        self._last_plain = None
         if self.live:
             self._write(f"\r\x1b[K  {name:<{NAME_WIDTH}} starting (TensorFlow loads first)")
         else:
@@ -106,7 +106,7 @@ class ProgressLine:
             self._write(
                 f"\r\x1b[K  {name:<{NAME_WIDTH}} [{bar}] step {done}/{total}  {elapsed:5.1f}s"
             )
-        elif elapsed - self._last_plain >= PLAIN_PROGRESS_EVERY_S:
+        elif self._last_plain is None or elapsed - self._last_plain >= PLAIN_PROGRESS_EVERY_S:
             self._last_plain = elapsed
             self._write(f"[{elapsed:5.1f}s] {name}: step {done}/{total}\n")
 

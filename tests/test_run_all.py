@@ -145,9 +145,10 @@ def test_a_busy_port_gives_a_free_one_and_the_url_shows_this_logdir(tmp_path, bu
 
 
 def test_ctrl_c_while_a_demo_trains_stops_it_cleanly(tmp_path):
-    script = Script("--logdir", str(tmp_path / "logs"), "--only", "healthy")
+    name = "seed001_lstm_attention_log0"  # the longest: still training when Ctrl-C comes
+    script = Script("--logdir", str(tmp_path / "logs"), "--only", name)
     try:
-        script.wait_for_line(r"^\[\s*\d+\.\ds\] healthy: step \d+/200$")
+        script.wait_for_line(rf"^\[\s*\d+\.\ds\] {name}: step \d+/400$")
         children = script.children()
         assert children, "the demo process is not running"
         assert script.ctrl_c() == 130
