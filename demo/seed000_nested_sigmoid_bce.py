@@ -13,9 +13,9 @@ logit extremes and gradient norms of the steps before it are finite.
 from __future__ import annotations
 
 try:
-    from demo._common import main_with_log_dir
+    from demo._common import main_with_log_dir, progress_lines
 except ImportError:  # run as a script
-    from _common import main_with_log_dir
+    from _common import main_with_log_dir, progress_lines
 
 import keras
 import numpy as np
@@ -67,7 +67,15 @@ def run(log_dir: str) -> dict:
         model = build_model()
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy")
     watch = tb_nanwatch.NanWatch(log_dir)
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, callbacks=[watch], verbose=0)
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        callbacks=[watch, progress_lines(steps)],
+        verbose=0,
+    )
     return watch.incident
 
 

@@ -1,23 +1,26 @@
 """Seed 001: embedding + LSTM + MultiHeadAttention + Dense logits, a loss that
 takes log of a softmax probability (no epsilon), logits that keep growing.
 
-The logits pass through a learnable logit scale ``exp(s)`` (as in CLIP, but
-without CLIP's clamp at 100). While the model gets its examples right, the
-optimizer keeps raising the scale, so the logits grow step after step. Batch
-``MISLABELED_STEP`` carries wrong labels: once the logits are large, a true
-class's probability underflows to exactly 0 and the loss is ``-log(0) = inf``,
-while every layer's output is still finite.
+The model learns to predict the last token of a sequence while the learning
+rate decays (cosine, to 0 at step ``SHARPEN_FROM``). From then on an inverse
+temperature schedule sharpens the logits by ``SHARPEN_GROWTH`` per step, with
+no cap (as in temperature annealing), so the logit max climbs step after step
+while every prediction stays right and the loss stays finite. Batch
+``MISLABELED_STEP`` carries wrong labels: the true class's probability
+underflows to exactly 0 and the loss is ``-log(0) = inf``, while every layer's
+output is still finite.
 
-What NaN Watch shows: phase loss, kind inf, layer null, at or before the
-mislabeled batch; the timeline shows the logit max climbing for many steps.
+What NaN Watch shows: first non-finite step ``MISLABELED_STEP`` (360), phase
+loss, no layer, kind inf; the timeline shows the logit max climbing over the
+steps before it (about 25 at step 300, about 500 at step 359).
 """
 
 from __future__ import annotations
 
 try:
-    from demo._common import main_with_log_dir
+    from demo._common import main_with_log_dir, progress_lines
 except ImportError:
-    from _common import main_with_log_dir
+    from _common import main_with_log_dir, progress_lines
 
 import keras
 import numpy as np
@@ -28,19 +31,33 @@ import tb_nanwatch
 VOCAB = 50
 SEQ = 8
 BATCH = 16
-STEPS = 320
-MISLABELED_STEP = 280
+LEARNING_RATE = 0.03
+SHARPEN_FROM = 300
+SHARPEN_GROWTH = 1.05
+MISLABELED_STEP = 360
+STEPS = MISLABELED_STEP + 40
 
 
 @keras.saving.register_keras_serializable("demo")
-class LogitScale(keras.layers.Layer):
-    """Multiplies by exp(s), s learnable, unclamped."""
+class InverseTemperature(keras.layers.Layer):
+    """Multiplies the logits by a scale that a schedule sets (not trained)."""
 
     def build(self, input_shape):
-        self.s = self.add_weight(shape=(), initializer="zeros", name="s")
+        self.scale = self.add_weight(shape=(), initializer="ones", trainable=False, name="scale")
 
     def call(self, x):
-        return x * tf.exp(self.s)
+        return x * self.scale
+
+
+class SharpenSchedule(keras.callbacks.Callback):
+    """Scale 1 until ``SHARPEN_FROM``, then ``SHARPEN_GROWTH`` times larger each step."""
+
+    def __init__(self, layer: InverseTemperature) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.layer.scale.assign(SHARPEN_GROWTH ** max(0, batch - SHARPEN_FROM))
 
 
 def softmax_then_log(y_true, logits):
@@ -59,22 +76,38 @@ def build_model() -> keras.Model:
     a = keras.layers.MultiHeadAttention(2, 8, name="attention")(h, h)
     h = keras.layers.Add(name="residual")([h, a])
     h = keras.layers.Dense(VOCAB, name="logits")(h)
-    logits = LogitScale(name="logit_scale")(h)
+    logits = InverseTemperature(name="inverse_temperature")(h)
     return keras.Model(tokens, logits, name="seed001")
+
+
+def make_data() -> tuple[np.ndarray, np.ndarray]:
+    """Random token sequences; the label is the last token, wrong in one batch."""
+    rng = np.random.RandomState(1)
+    x = rng.randint(0, VOCAB, (STEPS * BATCH, SEQ)).astype("int32")
+    y = x[:, -1:].astype("float32")
+    bad = slice(MISLABELED_STEP * BATCH, (MISLABELED_STEP + 1) * BATCH)
+    y[bad] = (y[bad] + VOCAB // 2) % VOCAB
+    return x, y
 
 
 def run(log_dir: str) -> dict:
     """Trains until the loss meets log(0); returns the incident."""
     keras.utils.set_random_seed(1)
-    rng = np.random.RandomState(1)
-    x = rng.randint(0, VOCAB, (STEPS * BATCH, SEQ)).astype("int32")
-    y = x[:, :1].astype("float32")  # learnable: predict the first token
-    bad = slice(MISLABELED_STEP * BATCH, (MISLABELED_STEP + 1) * BATCH)
-    y[bad] = (y[bad] + VOCAB // 2) % VOCAB  # one mislabeled batch
+    x, y = make_data()
     model = build_model()
-    model.compile(optimizer=keras.optimizers.Adam(0.03), loss=softmax_then_log)
+    learning_rate = keras.optimizers.schedules.CosineDecay(LEARNING_RATE, SHARPEN_FROM)
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate), loss=softmax_then_log)
+    sharpen = SharpenSchedule(model.get_layer("inverse_temperature"))
     watch = tb_nanwatch.NanWatch(log_dir)
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, callbacks=[watch], verbose=0)
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1,
+        shuffle=False,
+        callbacks=[sharpen, watch, progress_lines(STEPS)],
+        verbose=0,
+    )
     return watch.incident
 
 

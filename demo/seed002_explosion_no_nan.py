@@ -11,9 +11,9 @@ signal (loss, gradient norm or logits) that moved first.
 from __future__ import annotations
 
 try:
-    from demo._common import main_with_log_dir
+    from demo._common import main_with_log_dir, progress_lines
 except ImportError:
-    from _common import main_with_log_dir
+    from _common import main_with_log_dir, progress_lines
 
 import keras
 import numpy as np
@@ -24,7 +24,7 @@ JUMP_STEP = 60
 
 
 def run(log_dir: str) -> dict | None:
-    """Trains through the learning-rate jump; returns the explosion onset."""
+    """Trains through the learning-rate jump; returns the incident (None: nothing is non-finite)."""
     keras.utils.set_random_seed(2)
     rng = np.random.RandomState(2)
     steps = 200
@@ -47,8 +47,16 @@ def run(log_dir: str) -> dict | None:
             model, "stop_training", model.stop_training or logs["loss"] > 1e12
         )
     )
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, callbacks=[watch, give_up], verbose=0)
-    return watch.journal.explosion_onset
+    model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=1,
+        shuffle=False,
+        callbacks=[watch, give_up, progress_lines(steps)],
+        verbose=0,
+    )
+    return watch.incident
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ weights before step 13.
 from __future__ import annotations
 
 try:
-    from demo._common import main_with_log_dir
+    from demo._common import Progress, main_with_log_dir
 except ImportError:
-    from _common import main_with_log_dir
+    from _common import Progress, main_with_log_dir
 
 import keras
 import numpy as np
@@ -109,12 +109,14 @@ def run(log_dir: str) -> dict:
         rec.after_update()
         return loss
 
+    progress = Progress(EPOCHS * STEPS_PER_EPOCH)
     stop = False
     for epoch in range(EPOCHS):
         watcher.begin_epoch(epoch)
         for batch in range(STEPS_PER_EPOCH):
             start = (epoch * STEPS_PER_EPOCH + batch) * BATCH
             train_step(tf.constant(data[start : start + BATCH]))
+            progress.advance()
             if watcher.end_step():
                 stop = True
                 break
