@@ -50,6 +50,8 @@ _CHECK_MARKER = "Detected Infinity or NaN"
 _EAGER_OP = re.compile(r'eagerly-executing op "(\w+)"')
 _GRAPH_NODE = re.compile(r"Detected at node '?([^'\s]+?)/CheckNumericsV2'? defined at")
 _GRADIENT_SCOPE = "gradient_tape/"
+_NOT_EXACT = "the bundle is not exact: its batch or weights are not those of the step"
+_NO_LOSS = "no loss (a compiled loss or loss_fn): the loss and backward phases were not replayed"
 # How far back through the gradient ops the search for the forward op goes.
 _MAX_GRADIENT_OPS = 64
 
@@ -139,11 +141,14 @@ def _replay(model: keras.Model, bundle: ReproBundle, loss_fn: LossFn | None) -> 
         return None
     if not bundle.weights:
         raise ValueError("the bundle holds no pre-step weights")
+    notes = [] if bundle.info.get("exact", True) else [_NOT_EXACT]
     with _replica(model, bundle, loss_fn) as step:
         found = _eager_pass(step)
         if found is not None:
             _name_in_graph(step, found)
-    return _verdict(found, incident, bundle.step)
+        if step.loss is None:
+            notes.append(_NO_LOSS)
+    return _verdict(found, incident, bundle.step, notes)
 
 
 def _is_float(array: Any) -> bool:
@@ -156,14 +161,8 @@ def _is_float(array: Any) -> bool:
 @contextlib.contextmanager
 def _replica(model: keras.Model, bundle: ReproBundle, loss_fn: LossFn | None) -> Iterator[_Step]:
     """A model holding the bundle's weights that the replay may change."""
-    try:
-        replica = keras.models.clone_model(model)
-        replica.set_weights(model.get_weights())
-    except Exception:  # noqa: BLE001 - e.g. a subclassed model without get_config
-        replica = None
+    replica = _clone(model, bundle, loss_fn)
     if replica is not None:
-        _compile_like(replica, model, loss_fn)
-        bundle.restore(replica)
         yield _step(replica, bundle, loss_fn)
         return
     saved = [(v, np.array(v.numpy(), copy=True)) for v in _all_variables(model)]
@@ -173,6 +172,35 @@ def _replica(model: keras.Model, bundle: ReproBundle, loss_fn: LossFn | None) ->
     finally:
         for variable, value in saved:
             variable.assign(value)
+
+
+def _clone(model: keras.Model, bundle: ReproBundle, loss_fn: LossFn | None) -> keras.Model | None:
+    """A copy of ``model`` with the bundle's weights, or None when it cannot be copied."""
+    try:
+        replica = keras.models.clone_model(model)
+        replica.set_weights(model.get_weights())
+        _load_weights(replica, model, bundle)
+        _compile_like(replica, model, loss_fn)
+    except Exception:  # noqa: BLE001 - e.g. a subclassed model without get_config
+        return None
+    return replica
+
+
+def _load_weights(replica: keras.Model, model: keras.Model, bundle: ReproBundle) -> None:
+    """The bundle's weights into ``replica``, matched by their place in ``model``.
+
+    A clone's variable paths can differ from the model's (a nested model's
+    variables lose its name), its variable order does not.
+    """
+    index = {v.path: i for i, v in enumerate(model.trainable_weights)}
+    targets = replica.trainable_weights
+    if len(targets) != len(index):
+        raise ValueError("the copy has other trainable weights than the model")
+    for path, value in bundle.weights.items():
+        target = targets[index[path]]
+        if tuple(target.shape) != value.shape:
+            raise ValueError(f"the copy's weight for {path} has shape {tuple(target.shape)}")
+        target.assign(value)
 
 
 def _all_variables(model: keras.Model) -> list:
@@ -381,11 +409,11 @@ def _layer_of(op_name: str, paths: dict[int, str]) -> str | None:
 # -- the verdict ---------------------------------------------------------------
 
 
-def _verdict(found: _Found | None, incident: dict, step: int) -> OpOrigin:
+def _verdict(found: _Found | None, incident: dict, step: int, notes: list[str]) -> OpOrigin:
     where = f"{incident.get('phase')} phase, layer {incident.get('layer')!r}"
     if found is None:
         detail = f"the replay of step {step} stayed finite (the incident: {where})"
-        return OpOrigin("", "", None, "", False, detail)
+        return OpOrigin("", "", None, "", False, "; ".join([detail, *notes]))
     reproduced = found.phase == incident.get("phase") and _same_layer(
         found.layer, incident.get("layer"), found.phase
     )
@@ -395,6 +423,7 @@ def _verdict(found: _Found | None, incident: dict, step: int) -> OpOrigin:
     detail = f"replayed step {step}: {seen}" + (
         "" if reproduced else f"; the incident was in the {where}"
     )
+    detail = "; ".join([detail, *notes])
     return OpOrigin(
         found.type, found.name, found.source, found.phase, reproduced, detail, found.layer
     )
