@@ -3,6 +3,8 @@
 ``tb-nanwatch report LOGDIR [--json]`` prints, per NaN Watch run found under
 LOGDIR, the first non-finite step (or "healthy"), the explosion onset and the
 skipped steps. Exit status: 0 when LOGDIR was read, 2 for a bad path or usage.
+``tb-nanwatch replay RUN_DIR`` re-runs a run's incident step from its bundle and
+names the op and source line of the first NaN/Inf (``tb_nanwatch/replay.py``).
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         saved = bundle.load_bundle(args.run_dir)
         model, loss_fn = bundle.load_model(saved, unsafe=args.unsafe)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, TypeError) as error:  # TypeError: an unknown custom layer
         hint = " (pass --unsafe to load it, for a run dir you trust)" * ("safe_mode" in str(error))
         print(f"tb-nanwatch replay: error: {error}{hint}", file=err)
         return EXIT_USAGE

@@ -276,15 +276,16 @@ def _eager_pass(step: _Step) -> _Found | None:
 
 
 def _found_in(error: Exception, phase: str, paths: dict[int, str]) -> _Found:
+    """The op type (from the message), the user's line and the layer (from the traceback)."""
     match = _EAGER_OP.search(str(error))
-    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
-    lines = [(f.f_code.co_filename, n) for f, n in traceback.walk_tb(error.__traceback__)]
+    walked = list(traceback.walk_tb(error.__traceback__))
     layer = None
-    for frame in reversed(frames):
+    for frame, _ in reversed(walked):
         candidate = frame.f_locals.get("self")
         if frame.f_code.co_name == "__call__" and id(candidate) in paths:
             layer = paths[id(candidate)]
             break
+    lines = [(frame.f_code.co_filename, line) for frame, line in walked]
     return _Found(match.group(1) if match else "", phase, _user_line(lines), layer)
 
 
