@@ -9,6 +9,11 @@ dir stays self-contained. Reload with one line::
 then ``bundle.restore(model)`` puts the weights as they were *before* the
 offending step back into the model, and ``model.train_on_batch(*bundle.batch)``
 replays the step.
+
+The model may travel with the bundle (``save_model``: ``model.keras`` beside
+it, or the reason it could not be saved in ``bundle.json``), so that
+``tb-nanwatch replay RUN_DIR`` works on a run dir someone sent; the replay's
+answer is written beside it as ``replay.json`` (``tb_nanwatch.replay``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any
 import numpy as np
 
 BUNDLE_DIR = "repro"
+MODEL_FILE = "model.keras"
+REPLAY_FILE = "replay.json"
 
 
 def _gfile():
@@ -94,6 +101,7 @@ class ReproBundle:
     batch: Any  # the step's data as the train step got it: (x, y) or (x, y, sample_weight)
     weights: dict[str, np.ndarray]  # by Keras variable path
     info: dict
+    directory: str = ""  # where it was loaded from
 
     @property
     def x(self) -> Any:
@@ -140,5 +148,65 @@ def load_bundle(path: str) -> ReproBundle:
         weights = {name: arrays[f"weights/{name}"] for name in meta["weights"]}
     structure = meta.pop("batch_structure")
     return ReproBundle(
-        step=int(meta["step"]), batch=_rebuild(structure, batch), weights=weights, info=meta
+        step=int(meta["step"]),
+        batch=_rebuild(structure, batch),
+        weights=weights,
+        info=meta,
+        directory=directory,
     )
+
+
+def _update_meta(directory: str, changes: dict) -> None:
+    gfile = _gfile()
+    path = posixpath.join(directory, "bundle.json")
+    with gfile.GFile(path, "r") as f:
+        meta = json.loads(f.read())
+    with gfile.GFile(path, "w") as f:
+        f.write(json.dumps({**meta, **changes}, indent=1, allow_nan=True))
+
+
+def save_model(directory: str, model, loss_fn=None) -> bool:
+    """Saves ``model`` (and a custom loop's ``loss_fn``) beside a bundle.
+
+    Writes ``<directory>/model.keras``; ``bundle.json`` gets ``"model"`` (the
+    file name, or None and ``"model_not_saved"``: why) and, for ``loss_fn``,
+    ``"replay_loss"`` (its Keras serialization, or None and
+    ``"replay_loss_not_saved"``). Returns whether the model was saved; never
+    raises for a model that cannot be serialized.
+    """
+    import keras
+
+    changes: dict[str, Any] = {"model": MODEL_FILE}
+    try:
+        model.save(posixpath.join(directory, MODEL_FILE))
+    except Exception as error:  # noqa: BLE001 - a model that cannot be serialized
+        changes = {"model": None, "model_not_saved": f"{type(error).__name__}: {error}"}
+    if loss_fn is not None:
+        try:
+            serialized = keras.saving.serialize_keras_object(loss_fn)
+            changes["replay_loss"] = json.loads(json.dumps(serialized))
+        except Exception as error:  # noqa: BLE001
+            changes["replay_loss"] = None
+            changes["replay_loss_not_saved"] = f"{type(error).__name__}: {error}"
+    _update_meta(directory, changes)
+    return changes["model"] is not None
+
+
+def load_model(bundle: ReproBundle, unsafe: bool = False) -> tuple[Any, Any]:
+    """The model saved beside ``bundle`` and its replay loss (or None).
+
+    Raises FileNotFoundError when no model was saved (saying why), and
+    ValueError when the model holds Python code (a ``Lambda``) and ``unsafe``
+    is False: loading it runs that code, so only do it for a trusted run dir.
+    """
+    import keras
+
+    if not bundle.info.get("model"):
+        reason = bundle.info.get("model_not_saved", "it was recorded without one")
+        raise FileNotFoundError(f"no model saved beside the bundle in {bundle.directory}: {reason}")
+    path = posixpath.join(bundle.directory, bundle.info["model"])
+    if not _gfile().exists(path):
+        raise FileNotFoundError(f"the bundle's model file {path} is missing")
+    model = keras.saving.load_model(path, safe_mode=not unsafe)
+    loss = bundle.info.get("replay_loss")
+    return model, None if loss is None else keras.saving.deserialize_keras_object(loss)

@@ -3,6 +3,8 @@
 ``tb-nanwatch report LOGDIR [--json]`` prints, per NaN Watch run found under
 LOGDIR, the first non-finite step (or "healthy"), the explosion onset and the
 skipped steps. Exit status: 0 when LOGDIR was read, 2 for a bad path or usage.
+``tb-nanwatch replay RUN_DIR`` re-runs a run's incident step from its bundle and
+names the op and source line of the first NaN/Inf (``tb_nanwatch/replay.py``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     report.set_defaults(handler=_report)
     _add_export_command(commands)
+    _add_replay_command(commands)
     return parser
 
 
@@ -160,6 +163,47 @@ def _add_export_command(commands) -> None:
         help=f"per-layer step tables per run (default {DEFAULT_MAX_STEP_TABLES})",
     )
     export.set_defaults(handler=_export)
+
+
+# -- replay (tb_nanwatch/replay.py) ------------------------------------------
+
+
+def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from tb_nanwatch import bundle, replay
+
+    try:
+        saved = bundle.load_bundle(args.run_dir)
+        model, loss_fn = bundle.load_model(saved, unsafe=args.unsafe)
+    except (OSError, ValueError, TypeError) as error:  # TypeError: an unknown custom layer
+        hint = " (pass --unsafe to load it, for a run dir you trust)" * ("safe_mode" in str(error))
+        print(f"tb-nanwatch replay: error: {error}{hint}", file=err)
+        return EXIT_USAGE
+    origin = replay.replay_step(model, saved, loss_fn)
+    replay.write_result(saved, origin)
+    if args.json:
+        out.write(json.dumps({"step": saved.step, "op": origin and origin.to_json()}) + "\n")
+    else:
+        print(replay.describe(saved.step, origin), file=out)
+    return EXIT_OK
+
+
+def _add_replay_command(commands) -> None:
+    replay = commands.add_parser(
+        "replay",
+        help="re-run the incident's step from its bundle: the op and source line of the first NaN/Inf",
+        description="Loads RUN_DIR's reproduction bundle and the model saved beside it, "
+        "re-runs the offending step eagerly under TensorFlow's numeric checks, prints the "
+        "op, the user's source line and whether the incident reproduced, and writes it to "
+        "the bundle's replay.json. Exit status: 0 done, 2 bad path, no bundle or no model.",
+    )
+    replay.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (or its bundle dir)")
+    replay.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    replay.add_argument(
+        "--unsafe",
+        action="store_true",
+        help="allow a model holding Python code (Lambda layers): loading it runs that code",
+    )
+    replay.set_defaults(handler=_replay)
 
 
 def main(
