@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from nanwatch_testlib import CHROMIUM, XSS_RUN
-from test_browser import ARTIFACTS, TIMEOUT_MS, browser  # noqa: F401
+from test_browser import ARTIFACTS, TIMEOUT_MS, Watched, browser, tensorboard  # noqa: F401
 
 pytest.importorskip("playwright.sync_api")
 
@@ -624,3 +624,57 @@ def test_view_helpers_in_node():
         "Infinity",
         "NaN",
     ]
+
+
+# -- inside a real TensorBoard ---------------------------------------------------------------
+
+
+def test_card_in_tensorboards_iframe_with_intercepted_routes(browser, tmp_path):  # noqa: F811
+    """The real plugin iframe (its <base>, its permissions policy), with
+    the new keys added to TensorBoard's own `incident` and `runs` answers."""
+    from tb_nanwatch.synthetic import write_synthetic_run
+
+    write_synthetic_run(str(tmp_path / "logs" / "broken"), steps=60, num_layers=3, incident_step=40)
+
+    def add_keys(route):
+        body = route.fetch().json()
+        if "incident" in body:
+            body.update(cause=OVERFLOW_CAUSE, bundle=RUNS["adam_lr_5"]["incident"]["bundle"])
+        else:
+            for entry in body["runs"]:
+                entry["cause"] = {"id": "growth_overflow", "summary": OVERFLOW_CAUSE["summary"]}
+        route.fulfill(json=body)
+
+    with tensorboard(tmp_path / "logs", tmp_path) as base:
+        watched = Watched(browser, width=1024, height=1000)
+        try:
+            watched.page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+            watched.page.route("**/data/plugin/nanwatch/incident?*", add_keys)
+            watched.page.route("**/data/plugin/nanwatch/runs", add_keys)
+            frame = watched.open_tab(base)
+            card = frame.locator("#incident-card[data-state=nonfinite]")
+            card.wait_for(timeout=TIMEOUT_MS)
+            assert card.locator(":scope > *").first.get_attribute("data-cause") == "growth_overflow"
+            assert card.locator(".card-title").inner_text() == "First NaN at step 40"
+            assert _texts(card.locator("ol.remedies > li")) == OVERFLOW_CAUSE["remedies"]
+            line = frame.locator('.run-item[data-run="broken"] [data-field=cause]')
+            assert line.inner_text().startswith("Overflow after growth")
+            iframe = watched.page.locator('iframe[src*="plugin_entry.html?name=nanwatch"]')
+            right = iframe.bounding_box()
+            box = card.bounding_box()
+            assert box["x"] + box["width"] <= right["x"] + right["width"] + 1
+            assert card.evaluate("e => e.scrollWidth <= e.clientWidth")
+            button = card.locator("[data-action=copy-snippet]")
+            button.click()
+            card.locator("[data-field=copy-status]:not(:empty)").wait_for(timeout=TIMEOUT_MS)
+            if button.get_attribute("data-outcome") == "copied":
+                assert watched.page.evaluate("navigator.clipboard.readText()") == SNIPPET
+            else:
+                selected = card.evaluate("e => e.ownerDocument.getSelection().toString()")
+                assert selected == SNIPPET
+            card.scroll_into_view_if_needed()
+            ARTIFACTS.mkdir(exist_ok=True)
+            watched.page.screenshot(path=str(ARTIFACTS / "card-tensorboard-1024.png"))
+            assert watched.errors == [], watched.errors
+        finally:
+            watched.close()
