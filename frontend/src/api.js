@@ -16,6 +16,7 @@ const NON_FINITE = { NaN: NaN, Infinity: Infinity, "-Infinity": -Infinity };
 const TEXT_KEYS = new Set([
   "run", "layer", "layers", "tensor", "phase", "kind", "title", "text", "id",
   "signal", "status", "error", "source", "note", "model", "framework",
+  "summary", "remedies", "path", "snippet", "type", "name",
 ]);
 
 /** Error thrown for a non-2xx response; `status` is the HTTP status. */

@@ -39,12 +39,13 @@ export function nonFiniteKind(v) {
 }
 
 /**
- * Human text of an incident kind ("nan", "inf", "nan+inf").
+ * Human text of an incident kind ("nan", "inf", "nan+inf", or "nonfinite"
+ * for a loss-scaler incident without a recorded origin).
  * @param {string} kind The kind from the backend.
- * @returns {string} e.g. "NaN", "Inf", "NaN and Inf".
+ * @returns {string} e.g. "NaN", "Inf", "NaN and Inf", "NaN or Inf".
  */
 export function kindLabel(kind) {
-  return { nan: "NaN", inf: "Inf", "nan+inf": "NaN and Inf" }[kind] || String(kind ?? "–");
+  return { nan: "NaN", inf: "Inf", "nan+inf": "NaN and Inf", nonfinite: "NaN or Inf" }[kind] || String(kind ?? "–");
 }
 
 /**

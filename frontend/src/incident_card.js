@@ -1,10 +1,14 @@
 /**
- * Incident card: where and when the first NaN/Inf was born, with hints.
+ * Incident card: why, where and when the first NaN/Inf was born. Leads with
+ * the cause verdict (when the backend gives one), then the place (phase,
+ * layer, op and source line), the details, the reproduction bundle and hints.
  * Shows a "healthy" card when the run has no incident, and an explosion card
  * when the run only blew up without producing a NaN/Inf.
  */
+import { renderCause } from "./cause.js";
 import { el, clear } from "./dom.js";
 import { fmt, kindLabel } from "./format.js";
+import { renderBundle } from "./repro_bundle.js";
 import { nearestSteps } from "./step_table.js";
 
 /** Appends the non-null nodes. */
@@ -16,6 +20,25 @@ function field(name, label, value) {
   return el("div", { class: "field" }, [
     el("dt", { text: label }),
     el("dd", { data: { field: name }, text: value === null || value === undefined ? "–" : String(value) }),
+  ]);
+}
+
+/**
+ * The op that made the first non-finite value, from the replay:
+ * "op Log (name model/dense_3/Log) at model.py:42".
+ * @param {{type: string, name: string, source: string|null, reproduced: boolean}|null|undefined} op The op.
+ * @returns {HTMLElement|null} The line, null without an op.
+ */
+function renderOp(op) {
+  if (!op) return null;
+  return el("p", { class: "card-op", data: { field: "op", reproduced: op.reproduced } }, [
+    "op ",
+    el("code", { data: { field: "op-type" }, text: op.type }),
+    " (name ",
+    el("code", { data: { field: "op-name" }, text: op.name }),
+    ")",
+    ...(op.source ? [" at ", el("code", { data: { field: "op-source" }, text: op.source })] : [", source line unknown"]),
+    op.reproduced === false ? el("span", { class: "card-note", data: { field: "not-reproduced" }, text: " · not reproduced by the replay" }) : null,
   ]);
 }
 
@@ -46,10 +69,50 @@ function renderHints(hints) {
   return el("div", { class: "hints-box" }, [el("h4", { text: "Hints" }), list]);
 }
 
+function incidentParts(inc, exp, goto) {
+  const where = inc.layer ? inc.layer : "(no single layer)";
+  return [
+    el("h3", { class: "card-title", text: `First ${kindLabel(inc.kind)} at step ${inc.step}` }),
+    el("p", { class: "card-summary" }, [
+      "Born in the ",
+      el("strong", { text: inc.phase }),
+      " phase at ",
+      el("code", { text: where }),
+      ` (${inc.tensor}).`,
+    ]),
+    renderOp(inc.op),
+    el("dl", { class: "fields" }, [
+      field("step", "step", inc.step),
+      field("epoch", "epoch", inc.epoch),
+      field("batch", "batch", inc.batch),
+      field("phase", "phase", inc.phase),
+      field("layer", "layer", inc.layer ?? "(none)"),
+      field("tensor", "tensor", inc.tensor),
+      field("kind", "NaN / Inf", kindLabel(inc.kind)),
+      field("iterations", "optimizer iterations", inc.iterations),
+      field("loss", "loss", fmt(inc.loss ?? null)),
+    ]),
+    inc.note ? el("p", { class: "card-note", data: { field: "note" }, text: inc.note }) : null,
+    exp ? el("p", { class: "card-note", data: { field: "explosion" }, text: `Explosion onset before it: step ${exp.step} (${exp.signal}).` }) : null,
+    goto(inc.step),
+  ];
+}
+
+function explosionParts(exp, goto) {
+  if (!exp) return [el("h3", { class: "card-title", text: "No NaN or Inf recorded" })];
+  return [
+    el("h3", { class: "card-title", text: `Explosion from step ${exp.step}` }),
+    el("p", { class: "card-summary", text: `No NaN/Inf was recorded, but ${exp.signal} started to blow up.` }),
+    el("dl", { class: "fields" }, [field("step", "step", exp.step), field("signal", "signal", exp.signal)]),
+    goto(exp.step),
+  ];
+}
+
 /**
  * Renders the card for one run.
  * @param {HTMLElement} container Element to render into (gets data-state).
- * @param {Object} data The `incident` route response.
+ * @param {Object} data The `incident` route response; `cause` and `bundle`
+ *   (and the incident's `op`) are optional: older runs have none.
  * @param {{onStepClick?: (step: number) => void, recorded?: number[]}} [opts]
  *   `recorded`: the steps with a per-layer record; a step without one gets no
  *   "Show layers" link but a line saying so, with a link to the nearest recorded step.
@@ -57,8 +120,7 @@ function renderHints(hints) {
 export function renderIncidentCard(container, data, opts = {}) {
   clear(container);
   container.classList.add("incident-card");
-  const inc = data.incident;
-  const exp = data.explosion;
+  const { incident: inc, explosion: exp, cause, bundle } = data;
   const button = (step) =>
     el("button", { class: "btn link", text: `Show layers at step ${step}`, data: { action: "show-step", step }, on: { click: () => opts.onStepClick(step) } });
   const goto = (step) => {
@@ -72,43 +134,14 @@ export function renderIncidentCard(container, data, opts = {}) {
     ]);
   };
 
+  if (cause) append(container, renderCause(cause));
   if (inc) {
     container.dataset.state = "nonfinite";
-    const where = inc.layer ? inc.layer : "(no single layer)";
-    append(
-      container,
-      el("h3", { class: "card-title", text: `First ${kindLabel(inc.kind)} at step ${inc.step}` }),
-      el("p", { class: "card-summary" }, [
-        "Born in the ",
-        el("strong", { text: inc.phase }),
-        " phase at ",
-        el("code", { text: where }),
-        ` (${inc.tensor}).`,
-      ]),
-      el("dl", { class: "fields" }, [
-        field("step", "step", inc.step),
-        field("epoch", "epoch", inc.epoch),
-        field("batch", "batch", inc.batch),
-        field("phase", "phase", inc.phase),
-        field("layer", "layer", inc.layer ?? "(none)"),
-        field("tensor", "tensor", inc.tensor),
-        field("kind", "NaN / Inf", kindLabel(inc.kind)),
-        field("iterations", "optimizer iterations", inc.iterations),
-        field("loss", "loss", fmt(inc.loss ?? null)),
-      ]),
-      inc.note ? el("p", { class: "card-note", data: { field: "note" }, text: inc.note }) : null,
-      exp ? el("p", { class: "card-note", data: { field: "explosion" }, text: `Explosion onset before it: step ${exp.step} (${exp.signal}).` }) : null,
-      goto(inc.step),
-    );
-  } else if (exp) {
+    append(container, ...incidentParts(inc, exp, goto));
+  } else if (exp || cause) {
+    // A cause without an incident is an explosion's (a run is never "healthy" with a cause).
     container.dataset.state = "explosion";
-    append(
-      container,
-      el("h3", { class: "card-title", text: `Explosion from step ${exp.step}` }),
-      el("p", { class: "card-summary", text: `No NaN/Inf was recorded, but ${exp.signal} started to blow up.` }),
-      el("dl", { class: "fields" }, [field("step", "step", exp.step), field("signal", "signal", exp.signal)]),
-      goto(exp.step),
-    );
+    append(container, ...explosionParts(exp, goto));
   } else {
     container.dataset.state = "healthy";
     container.append(
@@ -116,6 +149,7 @@ export function renderIncidentCard(container, data, opts = {}) {
       el("p", { class: "card-summary", text: "No NaN or Inf and no explosion recorded in this run." }),
     );
   }
+  if (bundle) container.append(renderBundle(bundle));
   const hints = renderHints(data.hints);
   if (hints) container.append(hints);
 }

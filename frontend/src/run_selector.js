@@ -1,4 +1,5 @@
 /** Run selector: pick one or several runs to show side by side. */
+import { causeLine } from "./cause.js";
 import { el, clear } from "./dom.js";
 import { kindLabel } from "./format.js";
 
@@ -89,6 +90,7 @@ export function createRunSelector(container, onChange) {
     const list = el("ul", { class: "run-list" });
     for (const run of shown) {
       const status = runStatus(run);
+      const cause = causeLine(run.cause);
       const box = el("input", { attrs: { type: "checkbox", checked: chosen.has(run.run) } });
       box.addEventListener("change", () => {
         if (box.checked) chosen.add(run.run);
@@ -99,6 +101,7 @@ export function createRunSelector(container, onChange) {
         el("li", { class: `run-item state-${status.state}`, data: { run: run.run, state: status.state } }, [
           el("label", {}, [box, el("span", { class: "run-name", text: run.run, title: run.run })]),
           el("div", { class: "run-status", data: { field: "status" }, text: status.text }),
+          cause ? el("div", { class: "run-cause", data: { field: "cause", cause: run.cause.id }, text: cause, title: cause }) : null,
         ]),
       );
     }
