@@ -268,6 +268,9 @@ class RunJournal:
         self.closed = True
         crash_safety.unwatch(self)
         self.status = status
+        explosion = self.diagnosis.finish()  # a climb cut short by the end of the run
+        if explosion is not None and self.explosion_onset is None:
+            self.explosion_onset = explosion
         self.flush()
         self.writer.close()
 
