@@ -120,6 +120,7 @@ class RunJournal:
         self.skipped_steps: list[int] = []
         self.status = "running"
         self.repro_bundle: str | None = None
+        self.repro_bundle_exact: bool | None = None
         self._last_flush = time.monotonic()
         # -- crash safety (see tb_nanwatch.crash_safety) --
         self._lock = threading.RLock()
@@ -230,8 +231,11 @@ class RunJournal:
         self.flush()
 
     @_locked
-    def set_repro_bundle(self, relative_path: str) -> None:
+    def set_repro_bundle(self, relative_path: str, exact: bool | None = None) -> None:
+        """Records the bundle's path (relative to the run dir) and whether it
+        holds exactly the incident step's batch and weights (None: not known)."""
         self.repro_bundle = relative_path
+        self.repro_bundle_exact = exact
         self.flush()
 
     def summary(self) -> dict:
@@ -247,6 +251,7 @@ class RunJournal:
             "snapshot_every": self.snapshot_every,
             "window": self.window,
             "repro_bundle": self.repro_bundle,
+            "repro_bundle_exact": self.repro_bundle_exact,
             "schema": self.schema.to_json(),
             **self.run_info,
         }

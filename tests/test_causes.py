@@ -418,3 +418,19 @@ def test_causes_needs_no_tensorflow_and_keeps_the_function_limits():
         if isinstance(node, ast.FunctionDef):
             assert node.end_lineno - node.lineno + 1 <= 60, node.name
             assert len([a for a in node.args.args if a.arg != "self"]) <= 6, node.name
+
+
+def test_the_incident_card_bundle_entry(tmp_path):
+    from tb_nanwatch import views
+
+    listing = reader.RunListing("exp/run1", {})
+    summary = {"steps": 4, "repro_bundle": "repro/step_000000003", "repro_bundle_exact": True}
+    entry = views.bundle_entry(reader.Run(listing, summary, Schema()))
+    assert entry["path"] == "repro/step_000000003" and entry["exact"] is True
+    lines = entry["snippet"].split("\n")
+    assert len(lines) == 2
+    assert lines[0].startswith("bundle = tb_nanwatch.load_bundle('exp/run1/repro/step_000000003')")
+    compile(entry["snippet"], "snippet", "exec")  # valid Python
+    older = views.bundle_entry(reader.Run(listing, {"repro_bundle": "repro/x"}, Schema()))
+    assert older["exact"] is None
+    assert views.bundle_entry(reader.Run(listing, {"repro_bundle": None}, Schema())) is None
