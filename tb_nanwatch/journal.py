@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from tb_nanwatch import crash_safety, diagnosis, metadata
+from tb_nanwatch import causes, crash_safety, diagnosis, hints, metadata, reader
 from tb_nanwatch.event_writer import RunWriter
 from tb_nanwatch.schema import Schema
 
@@ -218,6 +218,24 @@ class RunJournal:
         valid = self._ring_steps >= 0
         order = np.argsort(self._ring_steps[valid])
         return self._ring_steps[valid][order], self._ring[valid][order]
+
+    @_locked
+    def cause(self) -> dict | None:
+        """The cause verdict from what is in memory (the flight window, the
+        current series chunk, the summary): for the console message at the
+        incident, see :func:`tb_nanwatch.causes.describe`."""
+        steps, window = self.flight_window()
+        flight = reader.Flight(int(steps[0]), window, self.schema) if len(steps) else None
+        series = None
+        if self._chunk_rows:
+            rows = np.stack(self._chunk_rows)
+            columns = {name: rows[:, i] for i, name in enumerate(self.series_columns)}
+            first = self._chunk_start
+            series = reader.Series(np.arange(first, first + len(rows), dtype=np.int64), columns)
+        record = hints.Record(
+            self.schema, self.first_nonfinite, self.explosion_onset, series, flight, self.summary()
+        )
+        return causes.diagnose(record)
 
     def _write_incident(self, incident: dict) -> None:
         steps, window = self.flight_window()

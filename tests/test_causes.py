@@ -434,3 +434,24 @@ def test_the_incident_card_bundle_entry(tmp_path):
     older = views.bundle_entry(reader.Run(listing, {"repro_bundle": "repro/x"}, Schema()))
     assert older["exact"] is None
     assert views.bundle_entry(reader.Run(listing, {"repro_bundle": None}, Schema())) is None
+
+
+def test_the_journal_gives_the_same_cause_at_the_incident(verdicts, tmp_path):
+    """What the console message says at the incident is what the card says."""
+    for name in ("lr_too_high", "masked_softmax", "lr_spike_update", "explosion_at_the_end"):
+        steps, edit, info, options, _ = SCENARIOS[name]
+        schema = make_schema(**options)
+        journal = RunJournal(
+            str(tmp_path / name), schema, {"model": name, **info}, JournalSettings(flush_secs=1e9)
+        )
+        for step in range(steps):
+            vector = lib.base_vector(schema, step)
+            edit(step, Step(schema, vector))
+            if journal.record(step, 0, step, vector) is not None:
+                break
+        if journal.first_nonfinite is None:
+            journal.close()
+        cause = journal.cause()
+        journal.close()
+        read_back = verdicts[name][0]
+        assert (cause["id"], cause["summary"]) == (read_back["id"], read_back["summary"])
