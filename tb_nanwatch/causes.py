@@ -155,6 +155,11 @@ def _fmt(value: float | None) -> str:
     return "?" if value is None else f"{value:.3g}"
 
 
+def _lower_lr(lr: float | None, step: int) -> str:
+    was = f" (it was {_fmt(lr)} at step {step})" if lr is not None and math.isfinite(lr) else ""
+    return f"Lower the learning rate{was}, e.g. 10x."
+
+
 def _max_abs(vector: np.ndarray, entry: Entry) -> float:
     low, high = vector[entry.index("min")], vector[entry.index("max")]
     return float(max(abs(low), abs(high)))
@@ -343,7 +348,7 @@ def growth_overflow(case: _Case) -> dict | None:
     layer, largest = _largest_layer(case)
     lr = case.header("lr", onset["step"])
     remedies = [
-        f"Lower the learning rate (it was {_fmt(lr)} at step {onset['step']}), e.g. 10x.",
+        _lower_lr(lr, onset["step"]),
         "Clip gradients: clipnorm=1.0 or global_clipnorm=1.0 in the optimizer.",
         "Add a learning-rate warm-up over the first steps.",
     ]
@@ -687,7 +692,7 @@ def explosion(case: _Case) -> dict | None:
             "lr": lr,
         },
         [
-            f"Lower the learning rate (it was {_fmt(lr)} at the onset), e.g. 10x.",
+            _lower_lr(lr, step),
             "Clip gradients: clipnorm=1.0 or global_clipnorm=1.0.",
             "Add a learning-rate warm-up; check that inputs and targets are normalised.",
         ],
