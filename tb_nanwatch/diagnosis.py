@@ -280,8 +280,8 @@ class ExplosionDetector:
     1. The *reference level* of a step is the lowest median so far of the last
        ``window`` values before it (from step 1 on: the first steps are their
        own reference, so a jump from step 0 to step 1 counts), never below
-       ``floor_ratio`` x the first value (a loss trained down to 1e-6 does not
-       make a later 1e-3 an explosion), and, for logits and activations, never
+       ``floor_ratio`` x its lowest median over the first ``window`` steps
+       (a loss trained down to 1e-6 does not make a later 1e-3 an explosion), and, for logits and activations, never
        below 1 (growth from ~0 to an ordinary size is no explosion).
     2. A value is *above the line* when it exceeds ``factor`` x the reference.
        The signal explodes when it stays above the line ``patience`` steps in
@@ -325,6 +325,7 @@ class ExplosionDetector:
         self._pos = np.zeros(size, np.intp)
         self._count = np.zeros(size, np.intp)
         self._initial = np.full(size, np.nan)
+        self._frozen = np.zeros(size, bool)
         self._lowest = np.full(size, np.inf)
         self._above = np.zeros(size, np.int64)
         self._stretch = np.full(size, -1, np.int64)
@@ -372,14 +373,17 @@ class ExplosionDetector:
         else:
             ring = np.where(known, self._ring, 0.0)
             median = np.where(known, np.nanmedian(ring, axis=0), np.nan)
+        # The floor's base: the lowest median while the window first fills,
+        # frozen then (a jump in the first steps cannot raise it).
+        warm = known & ~self._frozen
+        self._initial = np.where(warm, np.fmin(self._initial, median), self._initial)
+        self._frozen |= self._count == self._ring.shape[0]
         self._lowest = np.where(known, np.fmin(self._lowest, median), self._lowest)
         reference = np.fmax(self._lowest, self.floor_ratio * self._initial)
         reference = np.where(self._unit, np.fmax(reference, 1.0), reference)
         return np.where(known, reference, np.nan)
 
     def _push(self, values: np.ndarray, finite: np.ndarray) -> None:
-        first = finite & np.isnan(self._initial)
-        self._initial[first] = values[first]
         columns = np.flatnonzero(finite)
         self._ring[self._pos[columns], columns] = values[columns]
         self._pos[columns] = (self._pos[columns] + 1) % self._ring.shape[0]
