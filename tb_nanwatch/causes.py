@@ -151,6 +151,10 @@ def _cause(cause_id: str, summary: str, evidence: dict, remedies: list[str]) -> 
     return {"id": cause_id, "summary": summary, "evidence": clean, "remedies": remedies}
 
 
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _fmt(value: float | None) -> str:
     return "?" if value is None else f"{value:.3g}"
 
@@ -167,7 +171,9 @@ def _max_abs(vector: np.ndarray, entry: Entry) -> float:
 
 def _weights_at_start(case: _Case) -> dict | None:
     checked = case.rec.summary.get("weights_at_start")
-    return checked if isinstance(checked, dict) else None
+    if not isinstance(checked, dict) or not isinstance(checked.get("nonfinite", []), list):
+        return None
+    return checked
 
 
 # -- the rules, in decision order ---------------------------------------------
@@ -187,7 +193,7 @@ def nonfinite_weights(case: _Case) -> dict | None:
         {
             "variables": bad[:MAX_LISTED],
             "nonfinite_variables": len(bad),
-            "checked": checked.get("checked"),
+            "checked": checked.get("checked") if isinstance(checked.get("checked"), int) else None,
             "step": case.step,
         },
         [
@@ -383,12 +389,13 @@ def _mixed_precision(case: _Case) -> bool:
 
 
 def _predecessors(case: _Case, origin: Entry) -> list[Entry]:
-    """The recorded inputs and layer outputs before ``origin`` (in execution order)."""
+    """The recorded model inputs and layer outputs before ``origin`` (in
+    execution order; targets feed the loss, not the layers)."""
     before = []
     for entry in case.rec.schema.diagnosed():
         if entry is origin or entry.offset >= origin.offset:
             break
-        if entry.kind in MAGNITUDE_KINDS:
+        if entry.kind in MAGNITUDE_KINDS and not entry.tensor.startswith("target "):
             before.append(entry)
     return before
 
@@ -403,7 +410,7 @@ def _fp16_scaler(case: _Case) -> dict:
             "note": case.incident.get("note"),
             "loss_scale": scale,
             "step": case.step,
-            "dtype_policy": case.rec.summary.get("dtype_policy"),
+            "dtype_policy": _text(case.rec.summary.get("dtype_policy")),
         },
         _FP16_REMEDIES,
     )
@@ -446,7 +453,7 @@ def fp16_overflow(case: _Case) -> dict | None:
         f"({where.tensor}), near float16's largest value {FLOAT16_MAX:g}; float32 would "
         "have held them.",
         {
-            "dtype_policy": case.rec.summary.get("dtype_policy"),
+            "dtype_policy": _text(case.rec.summary.get("dtype_policy")),
             "largest_max_abs": largest,
             "largest_tensor": where.tensor,
             "float16_max": FLOAT16_MAX,
@@ -515,6 +522,8 @@ def forward_math(case: _Case) -> dict | None:
             "nonfinite_values": count(vector, origin),
             "input_max_abs": largest[0],
             "input_tensor": largest[1].tensor if largest[1] is not None else None,
+            "previous_tensor": inputs[-1][1].tensor if inputs else None,
+            "previous_max_abs": inputs[-1][0] if inputs else None,
             "weights_before": weights,
         },
         [
@@ -663,7 +672,7 @@ def optimizer_update(case: _Case) -> dict | None:
             "lr_before": lr_before,
             "lr_ratio": ratio,
             "zero_gradients": zeros,
-            "optimizer": case.rec.summary.get("optimizer"),
+            "optimizer": _text(case.rec.summary.get("optimizer")),
             "weights_before": weights,
         },
         remedies,

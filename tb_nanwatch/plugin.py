@@ -263,11 +263,15 @@ class NanWatchPlugin(base_plugin.TBPlugin):
     def _cause(self, source: reader.Source, run: reader.Run) -> dict | None:
         """The run's cause; the series and flight window are read only for a
         run with an incident (what the other causes need is in the summary)."""
-        if not run.summary.get("first_nonfinite"):
-            return causes.diagnose(hints.run_record(run, None, None, None))
-        series = source.series(run, self._series_cache)
-        record = hints.run_record(run, source.incident(run), series, source.flight(run))
-        return causes.diagnose(record)
+        try:
+            if not run.summary.get("first_nonfinite"):
+                return causes.diagnose(hints.run_record(run, None, None, None))
+            series = source.series(run, self._series_cache)
+            record = hints.run_record(run, source.incident(run), series, source.flight(run))
+            return causes.diagnose(record)
+        except Exception:  # noqa: BLE001 - one run's odd record must not hide the list
+            logger.warning("nanwatch: no cause for run %r", run.name, exc_info=True)
+            return None
 
     def _source(self, ctx, experiment: str) -> reader.Source:
         if self._data_provider is None:

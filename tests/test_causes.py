@@ -455,3 +455,27 @@ def test_the_journal_gives_the_same_cause_at_the_incident(verdicts, tmp_path):
         journal.close()
         read_back = verdicts[name][0]
         assert (cause["id"], cause["summary"]) == (read_back["id"], read_back["summary"])
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"weights_at_start": "all fine"},
+        {"weights_at_start": {"checked": "many", "nonfinite": "dense_0/kernel"}},
+        {"dtype_policy": 16, "loss_from_logits": "yes", "explosion_factor": "big"},
+        {"optimizer": {"name": "Adam"}, "weights_at_start": {"nonfinite": []}},
+    ],
+)
+def test_odd_summary_keys_read_as_not_known(verdicts, odd):
+    _, run, record = verdicts["lr_spike_update"]
+    odd_record = hints.Record(
+        record.schema,
+        record.incident,
+        record.explosion,
+        record.series,
+        record.flight,
+        {**run.summary, **odd},
+    )
+    cause = causes.diagnose(odd_record)
+    assert cause["id"] == "optimizer_update"
+    assert all(isinstance(v, (int, float, str, list, bool)) for v in cause["evidence"].values())
