@@ -158,11 +158,15 @@ def run_record(source: reader.Source, run: reader.Run) -> hints.Record:
 
 def run_cause(source: reader.Source, run: reader.Run, logdir: str | None = None) -> dict | None:
     """The cause verdict of one run (see :mod:`tb_nanwatch.causes`)."""
-    record = run_record(source, run)
-    batch = None
-    if logdir is not None and record.phase == "input":
-        batch = _bundle_batch(logdir, run)
-    return causes.diagnose(record, batch)
+    try:
+        record = run_record(source, run)
+        batch = None
+        if logdir is not None and record.phase == "input":
+            batch = _bundle_batch(logdir, run)
+        return causes.diagnose(record, batch)
+    except Exception as error:  # noqa: BLE001 - one run's odd record must not stop the report
+        logger.warning("nanwatch: run %r: no cause (%s: %s)", run.name, type(error).__name__, error)
+        return None
 
 
 def _bundle_batch(logdir: str, run: reader.Run) -> dict | None:
