@@ -62,17 +62,15 @@ def _report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from tb_nanwatch import report
 
     data_provider = report.load_provider(args.logdir)
-    body, runs = report.build_report(data_provider)
     if args.json:
+        body, _ = report.build_report(data_provider, logdir=args.logdir)
         out.write(json.dumps(body, allow_nan=False) + "\n")
         return EXIT_OK
+    runs = report.load_runs(data_provider)
     if not runs:
         print(f"no NaN Watch runs found under {args.logdir}", file=out)
         return EXIT_OK
-    blocks = [
-        report.format_run(runs[name], report.run_hints(data_provider, runs[name]))
-        for name in sorted(runs)
-    ]
+    blocks = [report.run_text(data_provider, runs[name], args.logdir) for name in sorted(runs)]
     print("\n\n".join(blocks), file=out)
     return EXIT_OK
 

@@ -9,10 +9,9 @@ the journal while training and by the readers (views, hints, report).
 
 from __future__ import annotations
 
-import bisect
-import collections
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -192,13 +191,13 @@ class RunDiagnosis:
     def __init__(self, schema: Schema, rules: IncidentRules) -> None:
         self.schema = schema
         self.rules = rules
-        self.explosion = ExplosionDetector(factor=self.rules.explosion_factor)
+        self.signal_reader = SignalReader(schema)
+        self.explosion = ExplosionDetector(
+            self.signal_reader.signals, factor=self.rules.explosion_factor
+        )
         self.incident: dict | None = None
         self._streak: tuple[StepPlace, np.ndarray] | None = None
         self._header = {f: schema.header_index(f) for f in schema.header().fields}
-        logits = schema.find(kind="logits")
-        self._logit_min = np.array(schema.indices(logits, "min"), np.intp)
-        self._logit_max = np.array(schema.indices(logits, "max"), np.intp)
 
     def header(self, vector: np.ndarray, field: str) -> float:
         """A header field (``"loss"``, ``"loss_scale"``, ...) of ``vector``."""
@@ -206,32 +205,30 @@ class RunDiagnosis:
 
     def signals(self, vector: np.ndarray) -> StepSignals:
         """The step's loss, gradient norm and logit extremes (NaN: no logits)."""
-        if len(self._logit_min):
-            low = float(np.min(vector[self._logit_min]))
-            high = float(np.max(vector[self._logit_max]))
-        else:
-            low = high = math.nan
+        low, high = self.signal_reader.logit_range(vector)
         return StepSignals(self.header(vector, "loss"), self.header(vector, "grad_norm"), low, high)
 
     def judge(self, place: StepPlace, vector: np.ndarray) -> Verdict:
-        """The verdict of the next step; ``vector`` is its statistics."""
+        """The verdict of the next step; ``vector`` is its statistics.
+
+        At the run's incident the explosion detector is finished (a signal
+        still above its line explodes then, see :class:`ExplosionDetector`).
+        """
         origin = find_origin(self.schema, vector)
         skipped = bool(self.header(vector, "skipped"))
-        signals = self.signals(vector)
         incident = None
         if self.incident is None:
             incident = self._incident_rule(place, vector, origin, skipped)
             self.incident = incident
-        logits = max(abs(signals.logit_min), abs(signals.logit_max))
-        explosion = self.explosion.update(
-            place.step,
-            {
-                "loss": signals.loss,
-                "grad_norm": signals.grad_norm,
-                "logits": None if math.isnan(signals.logit_min) else logits,
-            },
-        )
-        return Verdict(origin, skipped, incident, explosion, signals)
+        explosion = self.explosion.update(place.step, self.signal_reader.values(vector))
+        if incident is not None and explosion is None:
+            explosion = self.explosion.finish()
+        return Verdict(origin, skipped, incident, explosion, self.signals(vector))
+
+    def finish(self) -> dict | None:
+        """The run ended: the explosion onset if a signal is still above its
+        line (see :meth:`ExplosionDetector.finish`), else None."""
+        return self.explosion.finish()
 
     def _incident_rule(
         self, place: StepPlace, vector: np.ndarray, origin: dict | None, skipped: bool
@@ -273,123 +270,174 @@ class RunDiagnosis:
 
 
 class ExplosionDetector:
-    """Flags the onset of a blow-up that never produces a NaN or Inf.
+    """Flags the onset of a blow-up, with or without a NaN/Inf after it.
 
-    The rule, applied separately to three signals (``loss``: |total loss|,
-    ``grad_norm``: the global gradient norm, ``logits``: the largest |logit|):
+    The rule, applied separately to each watched signal (``loss``: |total
+    loss|, ``grad_norm``: the global gradient norm, ``logits``: the largest
+    |logit|, ``activation``: each layer's largest |output|); non-finite values
+    are skipped:
 
-    1. Keep the median of the last ``window`` finite values. The *reference
-       level* is the lowest such median seen so far, but never below
-       ``floor_ratio`` x the first median (the level at the start of training),
-       so a loss that trains down to 1e-6 does not make a later 1e-3 look like
-       an explosion.
-    2. The signal *explodes* when it stays above ``factor`` x the reference for
-       ``patience`` consecutive steps.
-    3. The *onset* is the first step of the final unbroken stretch, before
-       confirmation, in which the signal was above ``rise`` x the reference:
-       where the climb became visible, not where it crossed the alarm line.
+    1. The *reference level* of a step is the lowest median so far of the last
+       ``window`` values before it (from step 1 on: the first steps are their
+       own reference, so a jump from step 0 to step 1 counts), never below
+       ``floor_ratio`` x its lowest median over the first ``window`` steps
+       (a loss trained down to 1e-6 does not make a later 1e-3 an explosion), and, for logits and activations, never
+       below 1 (growth from ~0 to an ordinary size is no explosion).
+    2. A value is *above the line* when it exceeds ``factor`` x the reference.
+       The signal explodes when it stays above the line ``patience`` steps in
+       a row, or when the run ends or goes non-finite (:meth:`finish`) while
+       its last value is above the line: a spike that comes back down never
+       counts, a climb cut short by the end of the run always does.
+    3. The *onset* is the first step of the unbroken stretch above ``rise`` x
+       the reference that ends in the explosion: where the climb became
+       visible, not where it crossed the line.
 
-    The first signal (earliest onset) to explode is reported, once per run.
+    The first signal (earliest onset) to explode is reported, once per run:
+    ``{"step": onset, "signal": name, "factor": last value / reference}``,
+    plus ``"layer"`` for an activation signal.
     """
-
-    SIGNALS = ("loss", "grad_norm", "logits")
 
     def __init__(
         self,
+        signals: Sequence[tuple[str, str | None]] = (
+            ("loss", None),
+            ("grad_norm", None),
+            ("logits", None),
+        ),
         factor: float = 1e3,
         window: int = 25,
         patience: int = 3,
         floor_ratio: float = 0.1,
         rise: float = 10.0,
-        history: int = 4096,
     ) -> None:
-        if factor <= rise or rise <= 1:
+        if not factor > rise or not rise > 1:
             raise ValueError("explosion factor must exceed rise, and rise must exceed 1")
+        if window < 1 or patience < 1:
+            raise ValueError("window and patience must be at least 1")
+        self.signals = [(str(name), layer) for name, layer in signals]
         self.factor = factor
-        self.window = window
         self.patience = patience
         self.floor_ratio = floor_ratio
         self.rise = rise
-        self._tracks = {name: _SignalTrack(window, history) for name in self.SIGNALS}
+        size = len(self.signals)
+        self._unit = np.array([name in UNIT_SIGNALS for name, _ in self.signals])
+        self._ring = np.full((window, size), np.nan)
+        self._pos = np.zeros(size, np.intp)
+        self._count = np.zeros(size, np.intp)
+        self._initial = np.full(size, np.nan)
+        self._frozen = np.zeros(size, bool)
+        self._lowest = np.full(size, np.inf)
+        self._above = np.zeros(size, np.int64)
+        self._stretch = np.full(size, -1, np.int64)
+        self._ratio = np.zeros(size)
         self.onset: dict | None = None
 
-    def update(self, step: int, signals: dict[str, float]) -> dict | None:
-        """Feeds one step; returns ``{"step", "signal"}`` the first time it fires."""
-        if self.onset is not None:
-            return None
-        found = []
-        for name, track in self._tracks.items():
-            value = signals.get(name)
-            if value is None or not math.isfinite(value):
-                continue
-            onset_step = track.update(step, abs(value), self)
-            if onset_step is not None:
-                found.append((onset_step, self.SIGNALS.index(name), name))
-        if found:
-            onset_step, _, name = min(found)
-            self.onset = {"step": int(onset_step), "signal": name}
-            return self.onset
+    def update(self, step: int, values: Sequence[float]) -> dict | None:
+        """Feeds one step (one value per signal, in ``signals`` order);
+        returns the onset the first time a signal explodes."""
+        values = np.abs(np.asarray(values, np.float64))
+        finite = np.isfinite(values)
+        reference = self._reference(finite)
+        judged = finite & (reference > 0)
+        ratio = np.divide(values, reference, out=np.zeros_like(values), where=judged)
+        rising = judged & (ratio > self.rise)
+        started = rising & (self._stretch < 0)
+        self._stretch[started] = step
+        self._stretch[judged & ~rising] = -1
+        above = judged & (ratio > self.factor)
+        self._above[judged] = np.where(above[judged], self._above[judged] + 1, 0)
+        self._ratio[judged] = ratio[judged]
+        self._push(values, finite)
+        if self.onset is None and (self._above >= self.patience).any():
+            return self._fire(self._above >= self.patience)
         return None
 
+    def finish(self) -> dict | None:
+        """The run ended or went non-finite: a signal still above the line
+        explodes now. Returns the onset if this call set it."""
+        if self.onset is None and (self._above > 0).any():
+            return self._fire(self._above > 0)
+        return None
 
-class _RunningMedian:
-    """The median of the last ``window`` values, O(window) per update.
+    def pending(self) -> list[dict]:
+        """Every signal whose last value is above the line, earliest onset
+        first (what :meth:`finish` would choose from)."""
+        found = [self._onset(int(i)) for i in np.flatnonzero(self._above > 0)]
+        return sorted(found, key=lambda o: o["step"])
 
-    Same value as ``statistics.median`` of those values (kept sorted with
-    ``bisect`` instead of sorted again at every step).
-    """
-
-    def __init__(self, window: int) -> None:
-        self.maxlen = window
-        self._order: collections.deque[float] = collections.deque()
-        self._sorted: list[float] = []
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def append(self, value: float) -> None:
-        if len(self._order) == self.maxlen:
-            old = self._order.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        self._order.append(value)
-        bisect.insort(self._sorted, value)
-
-    def median(self) -> float:
-        s, n = self._sorted, len(self._sorted)
-        if n % 2:
-            return s[n // 2]
-        return (s[n // 2 - 1] + s[n // 2]) / 2
-
-
-class _SignalTrack:
-    def __init__(self, window: int, history: int) -> None:
-        self.recent = _RunningMedian(window)
-        self.history: collections.deque[tuple[int, float]] = collections.deque(maxlen=history)
-        self.initial: float | None = None
-        self.lowest = math.inf
-        self.above = 0
-
-    def update(self, step: int, value: float, rule: ExplosionDetector) -> int | None:
-        self.history.append((step, value))
-        reference = None
-        if len(self.recent) == self.recent.maxlen:
-            median = self.recent.median()
-            if self.initial is None:
-                self.initial = median
-            self.lowest = min(self.lowest, median)
-            reference = max(self.lowest, rule.floor_ratio * self.initial)
-        self.recent.append(value)
-        if reference is None or reference <= 0:
-            return None
-        if value > rule.factor * reference:
-            self.above += 1
+    def _reference(self, finite: np.ndarray) -> np.ndarray:
+        """Each signal's reference level before this step (NaN: none yet)."""
+        known = self._count > 0
+        if known.all() and (self._count == self._ring.shape[0]).all():
+            median = np.median(self._ring, axis=0)
         else:
-            self.above = 0
-        if self.above < rule.patience:
-            return None
-        onset = step
-        for past_step, past_value in reversed(self.history):
-            if past_value <= rule.rise * reference:
-                break
-            onset = past_step
+            ring = np.where(known, self._ring, 0.0)
+            median = np.where(known, np.nanmedian(ring, axis=0), np.nan)
+        # The floor's base: the lowest median while the window first fills,
+        # frozen then (a jump in the first steps cannot raise it).
+        warm = known & ~self._frozen
+        self._initial = np.where(warm, np.fmin(self._initial, median), self._initial)
+        self._frozen |= self._count == self._ring.shape[0]
+        self._lowest = np.where(known, np.fmin(self._lowest, median), self._lowest)
+        reference = np.fmax(self._lowest, self.floor_ratio * self._initial)
+        reference = np.where(self._unit, np.fmax(reference, 1.0), reference)
+        return np.where(known, reference, np.nan)
+
+    def _push(self, values: np.ndarray, finite: np.ndarray) -> None:
+        columns = np.flatnonzero(finite)
+        self._ring[self._pos[columns], columns] = values[columns]
+        self._pos[columns] = (self._pos[columns] + 1) % self._ring.shape[0]
+        self._count[columns] = np.minimum(self._count[columns] + 1, self._ring.shape[0])
+
+    def _onset(self, index: int) -> dict:
+        name, layer = self.signals[index]
+        onset = {"step": int(self._stretch[index]), "signal": name}
+        if layer is not None:
+            onset["layer"] = layer
+        onset["factor"] = float(self._ratio[index])
         return onset
+
+    def _fire(self, candidates: np.ndarray) -> dict:
+        # Earliest onset; on a tie, the first signal in ``signals`` order.
+        index = min(np.flatnonzero(candidates), key=lambda i: (self._stretch[i], i))
+        self.onset = self._onset(int(index))
+        return self.onset
+
+
+# Signals whose reference level is never below 1 (see ExplosionDetector).
+UNIT_SIGNALS = frozenset({"logits", "activation"})
+
+
+class SignalReader:
+    """Reads the explosion detector's signals from a step's stats vector:
+    loss, gradient norm, largest |logit|, then each activation's max |x|."""
+
+    def __init__(self, schema: Schema) -> None:
+        self._loss = schema.header_index("loss")
+        self._grad_norm = schema.header_index("grad_norm")
+        logits = schema.find(kind="logits")
+        self._logit_min = np.array(schema.indices(logits, "min"), np.intp)
+        self._logit_max = np.array(schema.indices(logits, "max"), np.intp)
+        activations = schema.find(kind="activation")
+        self._act_min = np.array(schema.indices(activations, "min"), np.intp)
+        self._act_max = np.array(schema.indices(activations, "max"), np.intp)
+        self.signals: list[tuple[str, str | None]] = [("loss", None), ("grad_norm", None)]
+        if len(logits):
+            self.signals.append(("logits", None))
+        self.signals += [("activation", e.layer or e.tensor) for e in activations]
+
+    def logit_range(self, vector: np.ndarray) -> tuple[float, float]:
+        """The smallest and largest logit of the step (NaN, NaN: no logits)."""
+        if not len(self._logit_min):
+            return math.nan, math.nan
+        return float(np.min(vector[self._logit_min])), float(np.max(vector[self._logit_max]))
+
+    def values(self, vector: np.ndarray) -> np.ndarray:
+        """One value per signal, in ``signals`` order (NaN where unknown)."""
+        vector = np.asarray(vector, np.float64)
+        head = [abs(vector[self._loss]), abs(vector[self._grad_norm])]
+        if len(self._logit_min):
+            low, high = self.logit_range(vector)
+            head.append(max(abs(low), abs(high)) if not math.isnan(low + high) else math.nan)
+        layers = np.maximum(np.abs(vector[self._act_min]), np.abs(vector[self._act_max]))
+        return np.concatenate([np.array(head), layers])

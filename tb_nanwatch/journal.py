@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from tb_nanwatch import crash_safety, diagnosis, metadata
+from tb_nanwatch import causes, crash_safety, diagnosis, hints, metadata, reader
 from tb_nanwatch.event_writer import RunWriter
 from tb_nanwatch.schema import Schema
 
@@ -120,6 +120,7 @@ class RunJournal:
         self.skipped_steps: list[int] = []
         self.status = "running"
         self.repro_bundle: str | None = None
+        self.repro_bundle_exact: bool | None = None
         self._last_flush = time.monotonic()
         # -- crash safety (see tb_nanwatch.crash_safety) --
         self._lock = threading.RLock()
@@ -218,6 +219,24 @@ class RunJournal:
         order = np.argsort(self._ring_steps[valid])
         return self._ring_steps[valid][order], self._ring[valid][order]
 
+    @_locked
+    def cause(self) -> dict | None:
+        """The cause verdict from what is in memory (the flight window, the
+        current series chunk, the summary): for the console message at the
+        incident, see :func:`tb_nanwatch.causes.describe`."""
+        steps, window = self.flight_window()
+        flight = reader.Flight(int(steps[0]), window, self.schema) if len(steps) else None
+        series = None
+        if self._chunk_rows:
+            rows = np.stack(self._chunk_rows)
+            columns = {name: rows[:, i] for i, name in enumerate(self.series_columns)}
+            first = self._chunk_start
+            series = reader.Series(np.arange(first, first + len(rows), dtype=np.int64), columns)
+        record = hints.Record(
+            self.schema, self.first_nonfinite, self.explosion_onset, series, flight, self.summary()
+        )
+        return causes.diagnose(record)
+
     def _write_incident(self, incident: dict) -> None:
         steps, window = self.flight_window()
         if len(steps):
@@ -230,8 +249,11 @@ class RunJournal:
         self.flush()
 
     @_locked
-    def set_repro_bundle(self, relative_path: str) -> None:
+    def set_repro_bundle(self, relative_path: str, exact: bool | None = None) -> None:
+        """Records the bundle's path (relative to the run dir) and whether it
+        holds exactly the incident step's batch and weights (None: not known)."""
         self.repro_bundle = relative_path
+        self.repro_bundle_exact = exact
         self.flush()
 
     def summary(self) -> dict:
@@ -247,6 +269,7 @@ class RunJournal:
             "snapshot_every": self.snapshot_every,
             "window": self.window,
             "repro_bundle": self.repro_bundle,
+            "repro_bundle_exact": self.repro_bundle_exact,
             "schema": self.schema.to_json(),
             **self.run_info,
         }
@@ -268,6 +291,9 @@ class RunJournal:
         self.closed = True
         crash_safety.unwatch(self)
         self.status = status
+        explosion = self.diagnosis.finish()  # a climb cut short by the end of the run
+        if explosion is not None and self.explosion_onset is None:
+            self.explosion_onset = explosion
         self.flush()
         self.writer.close()
 

@@ -22,7 +22,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from tb_nanwatch import hints, metadata, reader, views
+from tb_nanwatch import causes, hints, metadata, reader, views
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +189,14 @@ class NanWatchPlugin(base_plugin.TBPlugin):
         """The ``runs`` route."""
         if self._data_provider is None:
             return {"runs": []}
-        runs = self._source(ctx, experiment).runs()
-        return {"runs": [views.run_entry(runs[name]) for name in sorted(runs)]}
+        source = self._source(ctx, experiment)
+        runs = source.runs()
+        return {
+            "runs": [
+                views.run_entry(runs[name], self._cause(source, runs[name]))
+                for name in sorted(runs)
+            ]
+        }
 
     def timeline_impl(
         self,
@@ -226,6 +232,8 @@ class NanWatchPlugin(base_plugin.TBPlugin):
         return {
             "run": run.name,
             "incident": incident,
+            "cause": causes.diagnose(record),
+            "bundle": views.bundle_entry(run),
             "explosion": run.summary.get("explosion"),
             "heatmap": views.heatmap(flight, incident) if flight is not None else None,
             "hints": hints.compute_hints(record),
@@ -251,6 +259,19 @@ class NanWatchPlugin(base_plugin.TBPlugin):
         }
 
     # -- data access ------------------------------------------------------
+
+    def _cause(self, source: reader.Source, run: reader.Run) -> dict | None:
+        """The run's cause; the series and flight window are read only for a
+        run with an incident (what the other causes need is in the summary)."""
+        try:
+            if not run.summary.get("first_nonfinite"):
+                return causes.diagnose(hints.run_record(run, None, None, None))
+            series = source.series(run, self._series_cache)
+            record = hints.run_record(run, source.incident(run), series, source.flight(run))
+            return causes.diagnose(record)
+        except Exception:  # noqa: BLE001 - one run's odd record must not hide the list
+            logger.warning("nanwatch: no cause for run %r", run.name, exc_info=True)
+            return None
 
     def _source(self, ctx, experiment: str) -> reader.Source:
         if self._data_provider is None:

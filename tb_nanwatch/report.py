@@ -8,11 +8,13 @@ then through :mod:`tb_nanwatch.reader`, exactly as the plugin reads it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
+import numpy as np
 from tensorboard import context
 
-from tb_nanwatch import diagnosis, hints, reader
+from tb_nanwatch import causes, diagnosis, hints, reader
 
 EXPERIMENT_ID = ""
 logger = logging.getLogger(__name__)
@@ -96,12 +98,14 @@ def _first_nonfinite(incident: dict | None) -> dict | None:
     if not incident:
         return None
     layer = incident.get("layer")
+    op = incident.get("op")
     return {
         "step": int(incident["step"]),
         "phase": str(incident["phase"]),
         "layer": None if layer is None else str(layer),
         "tensor": str(incident.get("tensor", "")),
         "kind": str(incident.get("kind", "nan")),
+        "op": json_safe(op) if isinstance(op, dict) else None,
     }
 
 
@@ -111,7 +115,19 @@ def _explosion(explosion: dict | None) -> dict | None:
     return {"step": int(explosion["step"]), "signal": str(explosion["signal"])}
 
 
-def run_report(run: reader.Run) -> dict:
+def json_safe(value: object) -> object:
+    """``value`` with each non-finite float as TensorBoard writes it in JSON
+    (``"NaN"``, ``"Infinity"``, ``"-Infinity"``): kept, not dropped."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def run_report(run: reader.Run, cause: dict | None = None) -> dict:
     """The JSON report entry of one run (the documented shape, nothing more)."""
     return {
         "run": _run_path(run.name),
@@ -119,33 +135,109 @@ def run_report(run: reader.Run) -> dict:
         "first_nonfinite": _first_nonfinite(run.summary.get("first_nonfinite")),
         "explosion": _explosion(run.summary.get("explosion")),
         "skipped_steps": run.skipped_steps(),
+        "cause": json_safe(cause),
     }
 
 
-def build_report(data_provider, ctx=None) -> tuple[dict, dict[str, reader.Run]]:
-    """``({"runs": [...]}, runs by name)`` for every readable run."""
-    runs = _source(data_provider, ctx).runs()
-    return {"runs": [run_report(runs[name]) for name in sorted(runs)]}, runs
-
-
-def run_hints(data_provider, run: reader.Run, ctx=None) -> list[dict]:
-    """The incident-card hints of one run."""
+def build_report(
+    data_provider, ctx=None, logdir: str | None = None
+) -> tuple[dict, dict[str, reader.Run]]:
+    """``({"runs": [...]}, runs by name)`` for every readable run; with the
+    local ``logdir``, an input-data cause names the bundle's bad rows."""
     source = _source(data_provider, ctx)
-    incident = run.summary.get("first_nonfinite")
-    record = hints.run_record(run, incident, source.series(run), source.flight(run))
-    return hints.compute_hints(record)
+    runs = source.runs()
+    body = [run_report(runs[name], run_cause(source, runs[name], logdir)) for name in sorted(runs)]
+    return {"runs": body}, runs
+
+
+def run_record(source: reader.Source, run: reader.Run) -> hints.Record:
+    """What the hints and the cause read of one run."""
+    incident = source.incident(run)
+    return hints.run_record(run, incident, source.series(run), source.flight(run))
+
+
+def run_cause(source: reader.Source, run: reader.Run, logdir: str | None = None) -> dict | None:
+    """The cause verdict of one run (see :mod:`tb_nanwatch.causes`)."""
+    try:
+        record = run_record(source, run)
+        batch = None
+        if logdir is not None and record.phase == "input":
+            batch = _bundle_batch(logdir, run)
+        return causes.diagnose(record, batch)
+    except Exception as error:  # noqa: BLE001 - one run's odd record must not stop the report
+        logger.warning("nanwatch: run %r: no cause (%s: %s)", run.name, type(error).__name__, error)
+        return None
+
+
+def _bundle_batch(logdir: str, run: reader.Run) -> dict | None:
+    """The batch arrays of the run's reproduction bundle, when it is a local file."""
+    bundle = run.summary.get("repro_bundle")
+    if not isinstance(bundle, str) or "://" in logdir:
+        return None
+    path = os.path.join(logdir, run.name, bundle, "bundle.npz")
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            return {k: arrays[k] for k in arrays.files if k.startswith("batch/")}
+    except (OSError, ValueError) as error:
+        logger.info("nanwatch: bundle of run %r not read: %s", run.name, error)
+        return None
+
+
+def load_runs(data_provider, ctx=None) -> dict[str, reader.Run]:
+    """Every readable run, by name."""
+    return _source(data_provider, ctx).runs()
+
+
+def run_text(data_provider, run: reader.Run, logdir: str | None = None, ctx=None) -> str:
+    """The human-readable block of one run: its cause first, then the record."""
+    source = _source(data_provider, ctx)
+    record = run_record(source, run)
+    return format_run(run, hints.compute_hints(record), run_cause(source, run, logdir))
 
 
 def _source(data_provider, ctx) -> reader.Source:
     return reader.Source(data_provider, ctx or context.RequestContext(), EXPERIMENT_ID)
 
 
-def format_run(run: reader.Run, run_hints: list[dict] | None = None) -> str:
-    """Human-readable lines for one run."""
+def _number(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_number(v) for v in value) + "]"
+    return str(value)
+
+
+def format_cause(cause: dict) -> list[str]:
+    """The lines of a cause: the sentence, the evidence, the ranked remedies."""
+    lines = [f"  cause ({cause['id']}): {cause['summary']}"]
+    evidence = ", ".join(f"{k}={_number(v)}" for k, v in cause["evidence"].items())
+    if evidence:
+        lines.append(f"    evidence: {evidence}")
+    for rank, remedy in enumerate(cause["remedies"], 1):
+        lines.append(f"    remedy {rank}: {remedy}")
+    return lines
+
+
+def _op_line(op: object) -> str | None:
+    if not isinstance(op, dict):
+        return None
+    source = op.get("source") or "source line unknown"
+    replay = {True: "reproduced by replay", False: "not reproduced by replay"}
+    outcome = replay.get(op.get("reproduced"), "replay outcome unknown")
+    return f"    op: {op.get('type')} {op.get('name')!r} at {source} ({outcome})"
+
+
+def format_run(
+    run: reader.Run, run_hints: list[dict] | None = None, cause: dict | None = None
+) -> str:
+    """Human-readable lines for one run: the cause first, then the record."""
     summary = run.summary
     steps = int(summary["steps"])
     lines = [f"run {_run_path(run.name)}: {steps} steps, {summary.get('status', '?')}"]
+    if cause:
+        lines += format_cause(cause)
     incident = summary.get("first_nonfinite")
+    explosion = summary.get("explosion")
     if incident:
         kind = diagnosis.KIND_TEXT.get(str(incident.get("kind")), str(incident.get("kind")))
         where = f"layer {incident['layer']}" if incident.get("layer") else "no layer"
@@ -154,11 +246,15 @@ def format_run(run: reader.Run, run_hints: list[dict] | None = None) -> str:
             f"(epoch {incident.get('epoch', '?')}, batch {incident.get('batch', '?')}), "
             f"phase {incident.get('phase')}, {where}, tensor {incident.get('tensor')!r}"
         )
+        op = _op_line(incident.get("op"))
+        if op:
+            lines.append(op)
         if incident.get("note"):
             lines.append(f"  note: {incident['note']}")
+    elif explosion:
+        lines.append("  no NaN/Inf recorded, but the run exploded (onset below)")
     else:
         lines.append("  healthy: no NaN/Inf recorded")
-    explosion = summary.get("explosion")
     if explosion:
         lines.append(f"  explosion onset: step {explosion['step']} ({explosion['signal']})")
     else:

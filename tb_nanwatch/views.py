@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import posixpath
 
 import numpy as np
 
@@ -41,8 +42,8 @@ def max_abs(low: float, high: float) -> float:
     return max(abs(low), abs(high))
 
 
-def run_entry(run: Run) -> dict:
-    """One element of the ``runs`` route."""
+def run_entry(run: Run, cause: dict | None = None) -> dict:
+    """One element of the ``runs`` route; ``cause`` from :mod:`tb_nanwatch.causes`."""
     summary = run.summary
     return {
         "run": run.name,
@@ -51,7 +52,24 @@ def run_entry(run: Run) -> dict:
         "first_nonfinite": summary.get("first_nonfinite"),
         "explosion": summary.get("explosion"),
         "skipped_count": run.skipped_count(),
+        "cause": {"id": cause["id"], "summary": cause["summary"]} if cause else None,
     }
+
+
+def bundle_entry(run: Run) -> dict | None:
+    """The ``bundle`` of the ``incident`` route: where the reproduction bundle
+    is (relative to the run dir), whether it holds exactly the incident step
+    (None: not recorded) and two lines of Python that load and replay it."""
+    path = run.summary.get("repro_bundle")
+    if not isinstance(path, str) or not path:
+        return None
+    exact = run.summary.get("repro_bundle_exact")
+    location = posixpath.normpath(posixpath.join(run.name.replace("\\", "/"), path))
+    snippet = (
+        f"bundle = tb_nanwatch.load_bundle({location!r})  # relative to the log dir\n"
+        "bundle.restore(model); model.train_on_batch(*bundle.batch)"
+    )
+    return {"path": path, "exact": exact if isinstance(exact, bool) else None, "snippet": snippet}
 
 
 def reduce_column(values: np.ndarray, starts: np.ndarray, use_min: bool) -> np.ndarray:

@@ -171,3 +171,130 @@ def test_report_text_names_an_unknown_kind_honestly():
     text = report.format_run(run)
     assert "first non-finite: NaN or Inf at step 0" in text
     assert "no layer" in text and "3 consecutive steps skipped" in text
+
+
+# -- the explosion detector ----------------------------------------------------
+
+
+def detect(columns: dict[str, np.ndarray], factor: float = 1e3) -> dict | None:
+    """Feeds every step of ``columns`` (signal -> values), then ends the run."""
+    names = list(columns)
+    signals = [(n.split(":")[0], n.split(":")[1] if ":" in n else None) for n in names]
+    detector = diagnosis.ExplosionDetector(signals, factor=factor)
+    rows = np.stack([np.asarray(columns[n], np.float64) for n in names], axis=1)
+    fired = [detector.update(step, row) for step, row in enumerate(rows)]
+    end = detector.finish()
+    found = [f for f in fired if f is not None] + ([end] if end else [])
+    assert len(found) <= 1  # once per run
+    return found[0] if found else None
+
+
+def healthy_columns(rng: np.random.Generator, steps: int) -> dict[str, np.ndarray]:
+    t = np.arange(steps)
+    return {
+        "loss": 2.0 * np.exp(-t / 300) * rng.lognormal(0, 0.3, steps),
+        "grad_norm": rng.lognormal(0, 0.8, steps),
+        "logits": 8.0 + rng.normal(0, 1.5, steps) ** 2,
+        "activation:dense_1": 3.0 * rng.lognormal(0, 0.3, steps),
+    }
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_healthy_noisy_runs_raise_no_alarm(seed):
+    rng = np.random.default_rng(seed)
+    assert detect(healthy_columns(rng, int(rng.integers(2, 600)))) is None
+
+
+def test_spikes_that_come_back_raise_no_alarm():
+    rng = np.random.default_rng(1)
+    columns = healthy_columns(rng, 400)
+    for at, width in ((0, 1), (50, 2), (120, 1), (300, 2)):
+        columns["loss"][at : at + width] *= 1e5
+        columns["grad_norm"][at + 3 : at + 3 + width] *= 1e6
+    assert detect(columns) is None
+
+
+def test_large_steady_logits_raise_no_alarm():
+    rng = np.random.default_rng(2)
+    columns = healthy_columns(rng, 300)
+    columns["logits"] = 4e4 * rng.lognormal(0, 0.2, 300)
+    columns["activation:dense_1"] = 1e6 * rng.lognormal(0, 0.2, 300)
+    assert detect(columns) is None
+
+
+def test_a_loss_trained_down_to_1e_minus_6_raises_no_alarm():
+    rng = np.random.default_rng(3)
+    loss = np.geomspace(2.0, 1e-6, 2000) * rng.lognormal(0, 0.3, 2000)
+    loss[1500:1510] = 1e-3  # a bump, far below where training started
+    assert detect({"loss": loss, "grad_norm": rng.lognormal(0, 0.5, 2000)}) is None
+
+
+def test_an_activation_growing_from_zero_to_unit_size_is_no_explosion():
+    activation = np.r_[0.0, np.geomspace(1e-6, 2.0, 99)]
+    assert detect({"loss": np.ones(100), "activation:head": activation}) is None
+
+
+@pytest.mark.parametrize("steps", [2, 3, 40])
+def test_an_explosion_at_step_1_is_found_with_no_warm_up(steps):
+    logits = np.full(steps, 1e8)
+    logits[0] = 3.0
+    onset = detect({"loss": np.ones(steps), "grad_norm": np.ones(steps), "logits": logits})
+    assert onset["step"] == 1 and onset["signal"] == "logits"
+    assert onset["factor"] == pytest.approx(1e8 / 3.0)
+
+
+def test_an_explosion_in_the_last_steps_fires_when_the_run_ends():
+    rng = np.random.default_rng(4)
+    loss = np.r_[0.4 * rng.lognormal(0, 0.1, 200), [17, 61, 1.2e4, 8e11]]
+    detector = diagnosis.ExplosionDetector([("loss", None)])
+    assert all(detector.update(step, [v]) is None for step, v in enumerate(loss))
+    onset = detector.finish()
+    assert onset["step"] == 200 and onset["signal"] == "loss"  # where 17 broke out
+    assert onset["factor"] > 1e11
+    assert detector.finish() is None  # once per run
+
+
+def test_a_layer_whose_max_abs_explodes_while_the_loss_is_steady():
+    rng = np.random.default_rng(5)
+    columns = healthy_columns(rng, 120)
+    columns["loss"] = 0.7 * rng.lognormal(0, 0.05, 120)
+    columns["activation:block/conv3"] = np.r_[2.0 * np.ones(80), 2.0 * 3.0 ** np.arange(1, 41)]
+    onset = detect(columns)
+    assert onset["signal"] == "activation" and onset["layer"] == "block/conv3"
+    assert 81 <= onset["step"] <= 83  # 3^3 x = 54: above 10x the reference
+
+
+def test_the_factor_must_exceed_the_rise():
+    with pytest.raises(ValueError, match="factor"):
+        diagnosis.ExplosionDetector(factor=5.0)
+
+
+def _loss_at(values: dict[int, float]):
+    def edit(step, vector, schema):
+        if step in values:
+            vector[schema.header_index("loss")] = values[step]
+
+    return edit
+
+
+def test_the_journal_reports_a_climb_cut_short_by_the_end_of_the_run(tmp_path):
+    from nanwatch_testlib import write_vector_run
+
+    summary = write_vector_run(
+        str(tmp_path), 104, _loss_at({100: 17.0, 101: 61.0, 102: 1.2e4, 103: 8e11})
+    )
+    assert summary["first_nonfinite"] is None
+    assert summary["explosion"]["step"] == 100 and summary["explosion"]["signal"] == "loss"
+
+
+def test_the_journal_reports_the_climb_at_the_first_nonfinite_step(tmp_path):
+    from nanwatch_testlib import write_vector_run
+
+    def edit(step, vector, schema):
+        _loss_at({0: 1.4e3, 1: 2.9e6, 2: 1.4e29, 3: np.inf})(step, vector, schema)
+        if step == 3:
+            vector[schema.find(kind="activation")[2].index("inf")] = 5.0
+
+    summary = write_vector_run(str(tmp_path), 10, edit)
+    assert summary["first_nonfinite"]["step"] == 3
+    assert summary["explosion"]["step"] == 1 and summary["explosion"]["signal"] == "loss"

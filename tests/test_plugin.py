@@ -92,6 +92,8 @@ def test_runs_sorted_with_incident_and_nan_as_string(client):
     assert healthy["first_nonfinite"] is None
     assert healthy["explosion"] is None
     assert healthy["status"] == "finished"
+    assert healthy["cause"] is None
+    assert set(big["cause"]) == {"id", "summary"} and big["cause"]["id"] == "forward_math"
 
 
 def test_hostile_run_name_comes_back_as_plain_json_string(client):
@@ -176,6 +178,10 @@ def test_incident_heatmap_points_at_the_origin(client):
         "phase": "forward",
     }
     assert isinstance(body["hints"], list)
+    cause = body["cause"]
+    assert cause["id"] == "forward_math" and cause["evidence"]["layer"] == "model/block0/layer3"
+    assert cause["remedies"] and cause["summary"].startswith("model/block0/layer3 turned")
+    assert body["bundle"] is None  # a synthetic run has no reproduction bundle
 
 
 def test_healthy_incident_is_null(client):
@@ -183,6 +189,8 @@ def test_healthy_incident_is_null(client):
     assert body == {
         "run": "healthy",
         "incident": None,
+        "cause": None,
+        "bundle": None,
         "explosion": None,
         "heatmap": None,
         "hints": [],

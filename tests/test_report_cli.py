@@ -15,8 +15,9 @@ import pytest
 from tb_nanwatch import cli
 from tb_nanwatch.synthetic import write_synthetic_run
 
-RUN_KEYS = {"run", "steps", "first_nonfinite", "explosion", "skipped_steps"}
-INCIDENT_KEYS = {"step", "phase", "layer", "tensor", "kind"}
+RUN_KEYS = {"run", "steps", "first_nonfinite", "explosion", "skipped_steps", "cause"}
+INCIDENT_KEYS = {"step", "phase", "layer", "tensor", "kind", "op"}
+CAUSE_KEYS = {"id", "summary", "evidence", "remedies"}
 
 
 def _skips(step, vector, schema):
@@ -59,6 +60,9 @@ def test_json_is_exactly_one_object_of_the_documented_shape(logdir):
         assert set(run) == RUN_KEYS
         assert isinstance(run["steps"], int)
         assert isinstance(run["skipped_steps"], list)
+    big_cause = by_name["a/big"].pop("cause")
+    assert set(big_cause) == CAUSE_KEYS and big_cause["id"] == "forward_math"
+    assert big_cause["evidence"]["layer"] == "model/block0/layer3"
     assert by_name["a/big"] == {
         "run": "a/big",
         "steps": 251,
@@ -68,6 +72,7 @@ def test_json_is_exactly_one_object_of_the_documented_shape(logdir):
             "layer": "model/block0/layer3",
             "tensor": "output of model/block0/layer3",
             "kind": "nan",
+            "op": None,
         },
         "explosion": None,
         "skipped_steps": [],
@@ -79,7 +84,11 @@ def test_json_is_exactly_one_object_of_the_documented_shape(logdir):
         "first_nonfinite": None,
         "explosion": None,
         "skipped_steps": [],
+        "cause": None,
     }
+    assert by_name["skips"]["cause"] is None
+    assert by_name["explodes"]["cause"]["id"] == "explosion"
+    assert by_name["explodes"]["cause"]["evidence"]["onset_step"] == 100
     assert by_name["skips"]["skipped_steps"] == [5, 6, 7, 12]
     assert by_name["skips"]["first_nonfinite"] is None
     assert by_name["explodes"]["explosion"] == {"step": 100, "signal": "loss"}
@@ -105,6 +114,14 @@ def test_human_output(logdir):
     assert "healthy: no NaN/Inf recorded" in blocks["run healthy"]
     assert "explosion onset: none" in blocks["run healthy"]
     assert "explosion onset: step 100 (loss)" in blocks["run explodes"]
+    assert "healthy" not in blocks["run explodes"]
+    assert "no NaN/Inf recorded, but the run exploded" in blocks["run explodes"]
+    assert (
+        blocks["run explodes"].split("\n")[1].startswith("  cause (explosion): The loss exploded")
+    )
+    assert big.split("\n")[1].startswith("  cause (forward_math): model/block0/layer3 turned")
+    assert "    remedy 1: " in big and "    evidence: layer=model/block0/layer3" in big
+    assert "cause" not in blocks["run healthy"]
     assert "hint: Training is exploding" in blocks["run explodes"]
     assert "skipped steps: 4" in blocks["run skips"]
 
@@ -155,3 +172,43 @@ def test_console_script(logdir, tmp_path):
     )
     assert done.returncode == 2
     assert "does not exist" in done.stderr and done.stdout == ""
+
+
+def test_op_and_bad_rows_of_an_input_incident(tmp_path):
+    """The op line under the layer, and the bundle's bad rows, when recorded."""
+    import numpy as np
+
+    from tb_nanwatch.journal import JournalSettings, RunJournal
+    from tb_nanwatch.synthetic import build_schema
+
+    run_dir = tmp_path / "run"
+    schema = build_schema(2)
+    journal = RunJournal(str(run_dir), schema, {"model": "m"}, JournalSettings(flush_secs=1e9))
+    for step in range(4):
+        vector = lib.base_vector(schema, step)
+        if step == 3:
+            vector[schema.find(kind="input")[0].index("inf")] = 2
+        incident = journal.record(step, 0, step, vector)
+    incident["op"] = {"type": "Cast", "name": "cast_1", "source": "train.py:12", "reproduced": True}
+    journal.first_nonfinite = incident
+    bundle = run_dir / "repro" / "step_000000003"
+    bundle.mkdir(parents=True)
+    x = np.ones((6, 2), np.float32)
+    x[4] = np.inf
+    np.savez(bundle / "bundle.npz", **{"batch/0": x, "batch/1": np.ones((6, 1))})
+    journal.set_repro_bundle("repro/step_000000003")
+    journal.close("stopped")
+
+    code, out, _ = run_cli("report", str(tmp_path), "--json")
+    (run,) = json.loads(out)["runs"]
+    assert run["first_nonfinite"]["op"] == incident["op"]
+    assert run["cause"]["id"] == "input_data"
+    assert run["cause"]["evidence"]["rows"] == [
+        {"tensor": "batch/0", "rows": [4], "rows_count": 1, "values": 2}
+    ]
+    assert "float32" in run["cause"]["remedies"][0]  # an Inf input: the float64 cast first
+    code, out, _ = run_cli("report", str(tmp_path))
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if "first non-finite" in line)
+    assert lines[first + 1] == ("    op: Cast 'cast_1' at train.py:12 (reproduced by replay)")
+    assert lines[1].startswith("  cause (input_data): The batch of step 3 held Inf")
