@@ -1,7 +1,7 @@
-"""The read side stays readable: no function over 60 lines or 6 parameters.
+"""The package stays readable: no function over 60 lines or 6 parameters.
 
-The project's rule covers all of ``tb_nanwatch/`` (public constructors
-excepted); this test holds the modules that have been brought under it.
+The rule covers every module of ``tb_nanwatch/``; the public constructors of
+``NanWatch`` and ``StepWatcher`` are excepted (their signatures are the API).
 ``self``/``cls`` are not counted as parameters.
 """
 
@@ -15,20 +15,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "tb_nanwatch"
 MAX_LINES = 60
 MAX_PARAMETERS = 6
-CHECKED_MODULES = (
-    "cli",
-    "diagnosis",
-    "export",
-    "hints",
-    "journal",
-    "metadata",
-    "plugin",
-    "reader",
-    "report",
-    "schema",
-    "synthetic",
-    "views",
-)
+# The public constructors keep their documented signatures (one keyword per option).
+PUBLIC_CONSTRUCTORS = {("callback", "__init__"), ("custom_loop", "__init__")}
+MODULES = sorted(path.stem for path in PACKAGE.glob("*.py"))
 
 
 def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
@@ -38,11 +27,11 @@ def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     return [name for name in names if name not in ("self", "cls")]
 
 
-def oversized_functions(source: str) -> list[str]:
+def oversized_functions(source: str, exempt: frozenset[str] = frozenset()) -> list[str]:
     """``name: why`` for each function of ``source`` over the limits."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name in exempt:
             continue
         lines = node.end_lineno - node.lineno + 1
         parameters = len(_parameters(node))
@@ -60,7 +49,12 @@ def test_the_check_finds_a_long_function_and_a_wide_one():
     assert [f.split(" ")[0] for f in found] == ["long", "wide"]
 
 
-@pytest.mark.parametrize("module", CHECKED_MODULES)
+def test_every_module_is_checked():
+    assert {"callback", "causes", "recorder", "session", "train_step"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("module", MODULES)
 def test_functions_are_short_and_take_few_parameters(module):
     source = (PACKAGE / f"{module}.py").read_text(encoding="utf-8")
-    assert oversized_functions(source) == []
+    exempt = frozenset(name for owner, name in PUBLIC_CONSTRUCTORS if owner == module)
+    assert oversized_functions(source, exempt) == []
