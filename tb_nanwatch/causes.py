@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tb_nanwatch import diagnosis
+from tb_nanwatch import diagnosis, hints
 from tb_nanwatch.hints import SATURATED_LOGIT, Record
 from tb_nanwatch.schema import Entry
 
@@ -142,13 +142,8 @@ def describe(cause: dict | None) -> str:
 
 
 def _cause(cause_id: str, summary: str, evidence: dict, remedies: list[str]) -> dict:
-    clean = {}
-    for name, value in evidence.items():
-        if isinstance(value, (np.floating, np.integer)):
-            value = value.item()
-        if value is not None:
-            clean[name] = value
-    return {"id": cause_id, "summary": summary, "evidence": clean, "remedies": remedies}
+    evidence = hints.clean_evidence(evidence)
+    return {"id": cause_id, "summary": summary, "evidence": evidence, "remedies": remedies}
 
 
 def _text(value: object) -> str | None:

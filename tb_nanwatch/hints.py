@@ -77,14 +77,19 @@ def run_record(
     )
 
 
-def _hint(hint_id: str, title: str, text: str, **evidence: float | str | None) -> dict:
+def clean_evidence(evidence: dict) -> dict:
+    """``evidence`` without the unknown (None) items, NumPy scalars as Python numbers."""
     clean = {}
     for name, value in evidence.items():
         if isinstance(value, (np.floating, np.integer)):
             value = value.item()
         if value is not None:
             clean[name] = value
-    return {"id": hint_id, "title": title, "text": text, "evidence": clean}
+    return clean
+
+
+def _hint(hint_id: str, title: str, text: str, **evidence: float | str | None) -> dict:
+    return {"id": hint_id, "title": title, "text": text, "evidence": clean_evidence(evidence)}
 
 
 def _fmt(value: float) -> str:
