@@ -45,6 +45,7 @@ import keras
 from tb_nanwatch import train_step
 from tb_nanwatch.journal import RunJournal
 from tb_nanwatch.recorder import StepRecorder
+from tb_nanwatch.run_dirs import RunPlacement
 from tb_nanwatch.session import (
     NonFiniteError,
     WatchOptions,
@@ -103,8 +104,8 @@ class NanWatch(keras.callbacks.Callback):
     ) -> None:
         super().__init__()
         self.options = WatchOptions.from_arguments(locals())
-        check_writable(log_dir)
-        self.log_dir = log_dir
+        self.log_dir = check_writable(log_dir)
+        self._placement = RunPlacement()
         self._recorder: StepRecorder | None = None
         self._session: WatchSession | None = None
         self._siblings: list = []
@@ -148,7 +149,12 @@ class NanWatch(keras.callbacks.Callback):
             self._recorder.install()
             run_info = base_run_info(self._recorder, model, model.optimizer, self.options)
             self._session = WatchSession(
-                self.log_dir, self._recorder, self.options, run_info, self._restore_model
+                self.log_dir,
+                self._recorder,
+                self.options,
+                run_info,
+                self._restore_model,
+                self._placement,
             )
             train_step.instrument(model, self._recorder)
         except Exception as error:  # noqa: BLE001 - never break the user's fit

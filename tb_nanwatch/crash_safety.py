@@ -9,9 +9,23 @@ open (it does so itself). This module then guarantees:
   journal whose recorded steps have waited longer than ``flush_secs`` (training
   stalled, or ``fit`` raised and the process lives on in a notebook). A kill
   loses at most the last ``flush_secs`` of steps, never the incident.
-* **SIGTERM**: a handler closes every open journal with status
-  ``"terminated"``, then chains to the handler that was there before (the
-  default one re-raises SIGTERM, so the exit status stays "killed by SIGTERM").
+* **SIGTERM**: the handler never writes (a Python handler runs on the main
+  thread between two bytecodes, possibly while TensorBoard's writer holds its
+  non-reentrant lock there: a write from the handler would wait for ever). It
+  only records the request, then:
+
+  - with no handler of the user's before ours (the default action), it
+    restores the default action and starts a *terminator* thread. The main
+    thread goes on (and releases any lock it held); the terminator closes
+    every open journal with status ``"terminated"``, keeps their locks (no
+    step is recorded after the final summary), and re-sends SIGTERM, so the
+    process dies by SIGTERM. The close waits at most ``TERMINATE_TIMEOUT_SECS``;
+  - with a handler of the user's (graceful preemption), the background flusher
+    flushes every journal at once and the user's handler is called; the run
+    is *not* closed: training, recording, the incident and ``on_nonfinite``
+    go on. When the run then ends, its status is ``"terminated"`` unless an
+    incident stopped it (``WatchSession.final_status``);
+  - with SIGTERM ignored before us, it stays ignored (a flush is requested).
 * **Exceptions** (in user code, a callback, the data pipeline): Keras does not
   call ``on_train_end`` when ``fit`` raises. The journal stays open and is
   closed by the next ``fit`` of the same callback (status ``"raised"``), or at
@@ -22,7 +36,9 @@ open (it does so itself). This module then guarantees:
 Limits: a Python signal handler runs only between bytecodes of the main
 thread, so SIGTERM during one long TensorFlow op is handled when the op
 returns. Handlers can only be installed from the main thread; elsewhere only
-the flusher and ``atexit`` protect the record.
+the flusher and ``atexit`` protect the record. A second SIGTERM while the
+terminator closes the record finds the default action and ends the process at
+once (the steps flushed before stay on disk).
 """
 
 from __future__ import annotations
@@ -47,6 +63,11 @@ _installed = False
 _previous_sigterm = None
 _flusher: threading.Thread | None = None
 _wake = threading.Event()
+# How long the terminator waits for the journals to close before it ends the
+# process anyway (a main thread stuck inside a write must not keep it alive).
+TERMINATE_TIMEOUT_SECS = 10.0
+_flush_requested = threading.Event()  # set by the handler: flush everything now
+_sigterm_received = threading.Event()
 
 
 def watch(journal) -> None:
@@ -68,11 +89,12 @@ def open_journals() -> list:
         return list(_open.values())
 
 
-def close_all(status: str) -> None:
-    """Closes every open journal with ``status``; never raises."""
+def close_all(status: str, hold: bool = False) -> None:
+    """Closes every open journal with ``status``; never raises. With ``hold``
+    each journal keeps its lock afterwards (the process is about to end)."""
     for journal in open_journals():
         try:
-            journal.close(status)
+            journal.close(status, hold=hold)
         except Exception as error:  # noqa: BLE001 - keep closing the others
             logger.warning(
                 "NanWatch could not close the record in %s: %r",
@@ -109,21 +131,51 @@ def _install_sigterm() -> None:
         logger.debug("NanWatch: no SIGTERM handler installed: %r", error)
 
 
+def sigterm_received() -> bool:
+    """Whether this process has received SIGTERM (since NanWatch installed its handler)."""
+    return _sigterm_received.is_set()
+
+
 def _on_sigterm(signum, frame) -> None:
-    close_all("terminated")
+    # Lock-free: sets events and starts a thread, never writes (see the module doc).
+    first = not _sigterm_received.is_set()
+    _sigterm_received.set()
     previous = _previous_sigterm
     if callable(previous):
+        _request_flush()
         previous(signum, frame)
     elif previous == signal.SIG_IGN:
-        return
-    else:  # SIG_DFL, or None (set from C): die the way SIGTERM kills
+        _request_flush()
+    elif first:  # SIG_DFL, or None (set from C): close the record, then die by SIGTERM
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=_terminate, name="nanwatch-terminator", daemon=True).start()
+
+
+def _request_flush() -> None:
+    _flush_requested.set()
+    _wake.set()
+
+
+def _terminate() -> None:
+    """Closes every journal (bounded wait), then ends the process by SIGTERM."""
+    closer = threading.Thread(
+        target=close_all, args=("terminated", True), name="nanwatch-closer", daemon=True
+    )
+    closer.start()
+    closer.join(TERMINATE_TIMEOUT_SECS)
+    if closer.is_alive():
+        logger.warning(
+            "NanWatch: the record could not be closed within %ss", TERMINATE_TIMEOUT_SECS
+        )
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _at_exit() -> None:
     # sys.last_value is set when an uncaught exception ended the program.
-    close_all("raised" if getattr(sys, "last_value", None) is not None else "interrupted")
+    if sigterm_received():
+        close_all("terminated")
+    else:
+        close_all("raised" if getattr(sys, "last_value", None) is not None else "interrupted")
 
 
 # -- background flusher ----------------------------------------------------------
@@ -133,14 +185,15 @@ def _due(journal, now: float) -> bool:
     return getattr(journal, "dirty", False) and now - journal.last_flush_time >= journal.flush_secs
 
 
-def flush_due(now: float | None = None) -> int:
+def flush_due(now: float | None = None, everything: bool = False) -> int:
     """Flushes every open journal with steps waiting longer than its
-    ``flush_secs``; returns how many were flushed. Never blocks on a journal
-    busy recording (it flushes on its own then)."""
+    ``flush_secs`` (with ``everything``: every journal with steps waiting);
+    returns how many were flushed. Never blocks on a journal busy recording
+    (it flushes on its own then)."""
     now = time.monotonic() if now is None else now
     flushed = 0
     for journal in open_journals():
-        if not _due(journal, now):
+        if not (_due(journal, now) or (everything and getattr(journal, "dirty", False))):
             continue
         try:
             if journal.flush_if_dirty(blocking=False):
@@ -162,4 +215,6 @@ def _flush_loop() -> None:
     while True:
         _wake.wait(_poll_interval())
         _wake.clear()
-        flush_due()
+        everything = _flush_requested.is_set()
+        _flush_requested.clear()
+        flush_due(everything=everything)

@@ -52,11 +52,13 @@ import tensorflow as tf
 from tb_nanwatch.journal import RunJournal
 from tb_nanwatch.phase_stats import StepInputs
 from tb_nanwatch.recorder import PendingStep, StepRecorder
+from tb_nanwatch.run_dirs import RunPlacement
 from tb_nanwatch.session import (
     NonFiniteError,
     WatchOptions,
     WatchSession,
     base_run_info,
+    check_optimizer,
     check_writable,
     positive_int,
 )
@@ -106,7 +108,8 @@ class StepWatcher:
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}")
         positive_int("steps_per_execution", steps_per_execution)
-        check_writable(log_dir)
+        check_optimizer(optimizer)
+        log_dir = check_writable(log_dir)
         self.options = options
         self.model = model
         self.optimizer = optimizer
@@ -116,7 +119,9 @@ class StepWatcher:
         self.recorder.install()
         info = base_run_info(self.recorder, model, optimizer, options)
         info["loop"] = "custom"
-        self.session = WatchSession(log_dir, self.recorder, options, info, self.recorder.uninstall)
+        self.session = WatchSession(
+            log_dir, self.recorder, options, info, self.recorder.uninstall, RunPlacement()
+        )
         self.log_dir = self.session.log_dir
 
     # -- in the compiled step ------------------------------------------------

@@ -18,6 +18,9 @@ from tensorboard.util import tensor_util
 
 from tb_nanwatch import metadata
 
+# The suffix of every event file NanWatch writes (how a run dir is known to hold a record).
+EVENT_FILE_SUFFIX = ".nanwatch"
+
 
 def json_dumps(value: object) -> str:
     """JSON with NaN/Infinity tokens kept (a NaN is the data, never dropped)."""
@@ -35,7 +38,7 @@ def _string_tensor(text: str) -> tensor_pb2.TensorProto:
 class RunWriter:
     """Appends NaN Watch summaries to one event file in ``log_dir``."""
 
-    def __init__(self, log_dir: str, filename_suffix: str = ".nanwatch") -> None:
+    def __init__(self, log_dir: str, filename_suffix: str = EVENT_FILE_SUFFIX) -> None:
         self.log_dir = log_dir
         # flush_secs is large: flushing is driven explicitly by the journal.
         self._writer = EventFileWriter(

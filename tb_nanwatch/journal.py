@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -85,6 +86,7 @@ class RunJournal:
         run_info: dict,
         settings: JournalSettings | None = None,
         writer: RunWriter | None = None,
+        before_incident: Callable[[dict], tuple[str, bool] | None] | None = None,
     ) -> None:
         settings = settings or JournalSettings()
         self.schema = schema
@@ -101,6 +103,9 @@ class RunJournal:
             ),
         )
         self.writer = writer or RunWriter(log_dir)
+        # Saves the reproduction bundle; called before the incident is written,
+        # so a kill after the incident reached the disk always finds the bundle.
+        self._before_incident = before_incident
 
         outputs = [e for e in schema.entries if e.phase == "loss" and e.layer is not None]
         self.series_columns = list(SERIES_BASE_COLUMNS) + [f"loss/{e.layer}" for e in outputs]
@@ -137,8 +142,11 @@ class RunJournal:
         """Records one step; returns the incident dict when this step is one.
 
         ``extra`` (e.g. which replica went non-finite first) is added to the
-        incident if this step becomes one.
+        incident if this step becomes one. The run summary is written with
+        the first step (the run exists on disk from then on).
         """
+        if self.closed:
+            raise RuntimeError("the record is closed")
         vector = self._checked(step, vector)
         slot = step % self._ring.shape[0]
         self._ring[slot] = vector
@@ -161,7 +169,7 @@ class RunJournal:
             self._chunk_rows = []
         if verdict.incident is not None:
             self._write_incident(verdict.incident)
-        elif time.monotonic() - self._last_flush > self.flush_secs:
+        elif step == 0 or time.monotonic() - self._last_flush > self.flush_secs:
             self.flush()
         return verdict.incident
 
@@ -238,6 +246,10 @@ class RunJournal:
         return causes.diagnose(record)
 
     def _write_incident(self, incident: dict) -> None:
+        if self._before_incident is not None:
+            saved = self._before_incident(incident)
+            if saved is not None:
+                self.repro_bundle, self.repro_bundle_exact = saved
         steps, window = self.flight_window()
         if len(steps):
             self.writer.write_array(
@@ -246,14 +258,6 @@ class RunJournal:
         self.writer.write_json(
             metadata.TAG_INCIDENT, metadata.KIND_INCIDENT, incident["step"], incident
         )
-        self.flush()
-
-    @_locked
-    def set_repro_bundle(self, relative_path: str, exact: bool | None = None) -> None:
-        """Records the bundle's path (relative to the run dir) and whether it
-        holds exactly the incident step's batch and weights (None: not known)."""
-        self.repro_bundle = relative_path
-        self.repro_bundle_exact = exact
         self.flush()
 
     def summary(self) -> dict:
@@ -283,9 +287,18 @@ class RunJournal:
         self._last_flush = time.monotonic()
         self._flushed_steps = self.steps
 
-    @_locked
-    def close(self, status: str = "finished") -> None:
-        """Final flush with ``status``; later calls do nothing."""
+    def close(self, status: str = "finished", hold: bool = False) -> None:
+        """Final flush with ``status``; later calls do nothing. With ``hold``
+        the journal keeps its lock for good: nothing can be recorded after the
+        final summary (the process is about to end, see crash_safety)."""
+        self._lock.acquire()
+        try:
+            self._close(status)
+        finally:
+            if not hold:
+                self._lock.release()
+
+    def _close(self, status: str) -> None:
         if self.closed:
             return
         self.closed = True

@@ -72,11 +72,33 @@ def named_tensors(
     return [(f"{prefix}{i}", t) for i, t in enumerate(flat)]
 
 
+def watchable_input(value: Any) -> tuple[tf.Tensor | None, str]:
+    """(the tensor whose statistics stand for an input, "") or (None, why not).
+
+    A ``SparseTensor`` is read through its stored values, a ``RaggedTensor``
+    through its flat values (NaN/Inf live there; the implicit zeros and the
+    row partition are finite); a number tensor as it is. Strings and other
+    non-numeric dtypes cannot hold NaN/Inf: nothing to read.
+    """
+    if isinstance(value, tf.SparseTensor):
+        value = value.values
+    elif isinstance(value, tf.RaggedTensor):
+        value = value.flat_values
+    if not isinstance(value, (tf.Tensor, tf.Variable)):
+        return None, f"a {type(value).__name__}, not a tensor"
+    if not (value.dtype.is_floating or value.dtype.is_integer):
+        return None, f"a {value.dtype.name} tensor, which cannot hold NaN/Inf"
+    return value, ""
+
+
 class PhaseStatistics:
     """Adds each phase's entries to a :class:`~tb_nanwatch.step_stats.StatsBuilder`."""
 
     def __init__(self, taps: LayerTaps) -> None:
         self.taps = taps
+        # "<input>: <why>" for each model input or target the step cannot
+        # read (filled when the step is traced).
+        self.not_watched_inputs: list[str] = []
 
     def before_update(self, inputs: StepInputs) -> step_stats.StatsBuilder:
         """The header, input, forward, loss and backward entries of one step."""
@@ -118,12 +140,21 @@ class PhaseStatistics:
         input_names = [getattr(t, "name", None) for t in model_inputs]
         input_names = [n.split(":")[0] for n in input_names if n]
         for name, t in named_tensors(inputs.x, "", input_names):
-            fields = step_stats.tensor_fields([t])
-            builder.add("input", "input", name, f"model input {name}", fields)
+            self._add_input(builder, name, t, f"model input {name}")
         if inputs.y is not None:
             for name, t in named_tensors(inputs.y, "target/"):
-                fields = step_stats.tensor_fields([t])
-                builder.add("input", "input", name, f"target {name}", fields)
+                self._add_input(builder, name, t, f"target {name}")
+
+    def _add_input(self, builder, name: str, value: Any, tensor: str) -> None:
+        """One input entry: a sparse or ragged input by its values; a string
+        input is noted in ``not_watched_inputs`` (the layers after it are watched)."""
+        watched, why = watchable_input(value)
+        if watched is None:
+            note = f"{tensor}: {why}; not watched (the layers after it are)"
+            if note not in self.not_watched_inputs:
+                self.not_watched_inputs.append(note)
+            return
+        builder.add("input", "input", name, tensor, step_stats.tensor_fields([watched]))
 
     def forward(self, builder, inputs: StepInputs) -> None:
         """Every watched layer's output, then each model output's logits."""

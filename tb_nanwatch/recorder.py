@@ -52,6 +52,8 @@ class StepRecorder:
         self.tapped_layers = [path for _, path in self.taps.layers]
         # Watched layers never seen in the step graph (see ``not_watched``).
         self.unwatched_layers: list[str] | None = None
+        # Layers called in the step with no float output (see ``not_watched``).
+        self.not_float_layers: list[str] = []
         self.strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
 
     @property
@@ -85,6 +87,8 @@ class StepRecorder:
         weights before the update (see ``pre_step_weights``)."""
         if self.unwatched_layers is None:
             seen = {call.path.split("#")[0] for call in inputs.trace.calls}
+            self.not_float_layers = [p for p in inputs.trace.not_float if p not in seen]
+            seen.update(inputs.trace.not_float)
             self.unwatched_layers = [p for p in self.tapped_layers if p not in seen]
         with tf.name_scope(STATS_SCOPE):
             builder = self.statistics.before_update(inputs)
@@ -125,8 +129,11 @@ class StepRecorder:
     # -- on the host -------------------------------------------------------------------
 
     def not_watched(self) -> list[str]:
-        """What is not (fully) watched, one ``"<layer path>: <why>"`` each.
+        """What is not (fully) watched, one ``"<layer path or input>: <why>"`` each.
 
+        * a model input or target of a type the step cannot read (a string
+          tensor); a sparse or ragged one is read through its values;
+        * a layer whose output is not a float tensor (a ``StringLookup``);
         * a layer whose calls the step graph never saw: it runs inside an
           inner loop or function (a ``tf.while_loop`` body, a nested
           ``tf.function``) or was not called in training;
@@ -135,7 +142,12 @@ class StepRecorder:
           one (the RNN layer's own output, which covers them, is).
         """
         unwatched = self.unwatched_layers or []
-        notes = [
+        notes = list(self.statistics.not_watched_inputs)
+        notes += [
+            f"{path}: its output is not a float tensor (cannot hold NaN/Inf); not watched"
+            for path in self.not_float_layers
+        ]
+        notes += [
             f"{path}: never called in the step graph (inside an inner loop or function, "
             "or unused in training); not watched"
             for path in unwatched

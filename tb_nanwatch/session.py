@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
 import posixpath
 import sys
 import uuid
@@ -32,15 +34,19 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_nanwatch import bundle
+from tb_nanwatch import bundle, crash_safety
 from tb_nanwatch.device_record import PRE_STEP_WEIGHTS
 from tb_nanwatch.event_writer import RunWriter
 from tb_nanwatch.journal import JournalSettings, RunJournal
 from tb_nanwatch.recorder import StepRecorder
+from tb_nanwatch.run_dirs import RunPlacement
 
 logger = logging.getLogger("tb_nanwatch")
 
 ON_NONFINITE = ("stop", "raise", "continue")
+# The largest flight-recorder window: the journal keeps ``window`` full stats
+# vectors in memory (a few MB each for a large model at the bound).
+MAX_WINDOW = 100_000
 
 
 class NonFiniteError(RuntimeError):
@@ -61,10 +67,15 @@ def describe_incident(incident: dict) -> str:
     )
 
 
-def check_writable(log_dir: str, argument: str = "log_dir") -> None:
-    """Raises ValueError naming ``argument`` unless ``log_dir`` can be written."""
+def check_writable(log_dir: str | os.PathLike, argument: str = "log_dir") -> str:
+    """``log_dir`` as a string (``os.PathLike`` accepted), or a ValueError
+    naming ``argument`` unless it can be written."""
+    if isinstance(log_dir, os.PathLike):
+        log_dir = os.fspath(log_dir)
     if not isinstance(log_dir, str) or not log_dir:
-        raise ValueError(f"{argument} must be a non-empty path string, got {log_dir!r}")
+        raise ValueError(
+            f"{argument} must be a non-empty path (str or os.PathLike), got {log_dir!r}"
+        )
     probe = posixpath.join(log_dir, f".nanwatch-write-test-{uuid.uuid4().hex}")
     try:
         tf.io.gfile.makedirs(log_dir)
@@ -73,14 +84,43 @@ def check_writable(log_dir: str, argument: str = "log_dir") -> None:
         tf.io.gfile.remove(probe)
     except Exception as error:  # noqa: BLE001 - any failure means "not writable"
         raise ValueError(f"{argument} {log_dir!r} is not writable: {error}") from None
+    return log_dir
 
 
-def positive_int(name: str, value, allow_zero: bool = False) -> int:
-    """``value`` if it is an int >= 1 (>= 0 with ``allow_zero``), else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
-        bound = ">= 0" if allow_zero else ">= 1"
+def positive_int(name: str, value, allow_zero: bool = False, maximum: int | None = None) -> int:
+    """``value`` if it is an int >= 1 (>= 0 with ``allow_zero``) and at most
+    ``maximum``, else a ValueError naming ``name``. A bool is not an int here."""
+    low = 0 if allow_zero else 1
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or value < low
+        or (maximum is not None and value > maximum)
+    ):
+        bound = f">= {low}" if maximum is None else f"in [{low}, {maximum}]"
         raise ValueError(f"{name} must be an int {bound}, got {value!r}")
-    return value
+    return int(value)
+
+
+def finite_number(name: str, value, low: float, low_inclusive: bool = True) -> float:
+    """``value`` if it is a finite real number above ``low`` (or equal with
+    ``low_inclusive``), else a ValueError naming ``name``. A bool is not a number here."""
+    is_number = isinstance(value, (int, float, np.integer, np.floating))
+    if isinstance(value, bool) or not is_number or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < low or (value == low and not low_inclusive):
+        bound = f">= {low:g}" if low_inclusive else f"> {low:g}"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+def check_optimizer(optimizer) -> None:
+    """A ValueError naming ``optimizer`` unless it is a Keras optimizer."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            "optimizer must be the keras.optimizers.Optimizer that applies the gradients "
+            f"(a LossScaleOptimizer under mixed precision), got {optimizer!r}"
+        )
 
 
 @dataclasses.dataclass
@@ -105,17 +145,16 @@ class WatchOptions:
             raise ValueError(
                 f"pre_step_weights must be one of {PRE_STEP_WEIGHTS}, got {self.pre_step_weights!r}"
             )
-        positive_int("window", self.window)
-        positive_int("max_consecutive_skips", self.max_consecutive_skips, allow_zero=True)
-        positive_int("snapshot_every", self.snapshot_every, allow_zero=True)
-        if not isinstance(self.flush_secs, (int, float)) or self.flush_secs <= 0:
-            raise ValueError(f"flush_secs must be a positive number, got {self.flush_secs!r}")
-        if not isinstance(self.explosion_factor, (int, float)) or self.explosion_factor <= 10:
-            raise ValueError(
-                f"explosion_factor must be a number > 10, got {self.explosion_factor!r}"
-            )
-        if not isinstance(self.min_loss_scale, (int, float)) or self.min_loss_scale < 0:
-            raise ValueError(f"min_loss_scale must be a number >= 0, got {self.min_loss_scale!r}")
+        self.window = positive_int("window", self.window, maximum=MAX_WINDOW)
+        self.max_consecutive_skips = positive_int(
+            "max_consecutive_skips", self.max_consecutive_skips, allow_zero=True
+        )
+        self.snapshot_every = positive_int("snapshot_every", self.snapshot_every, allow_zero=True)
+        self.flush_secs = finite_number("flush_secs", self.flush_secs, 0.0, low_inclusive=False)
+        self.explosion_factor = finite_number(
+            "explosion_factor", self.explosion_factor, 10.0, low_inclusive=False
+        )
+        self.min_loss_scale = finite_number("min_loss_scale", self.min_loss_scale, 0.0)
 
     @classmethod
     def from_arguments(cls, arguments: dict) -> WatchOptions:
@@ -198,13 +237,12 @@ def warn_stopped_watching(reason: str, stacklevel: int = 3) -> None:
 
 
 def report_not_watched(not_watched: list[str]) -> None:
-    """Tells the user, once per run, which layers are not watched one by one."""
+    """Tells the user, once per run, what is not watched one by one (and why)."""
     if not_watched:
         logger.warning(
-            "NanWatch does not watch these layers one by one (their calls run inside an "
-            "inner loop or function, e.g. an RNN cell, or they were not called in the "
-            "training step); the layer around them is watched: %s",
-            ", ".join(not_watched),
+            "NanWatch does not watch these layers or inputs one by one (the run summary's not_watched "
+            "says the same): %s",
+            "; ".join(not_watched),
         )
 
 
@@ -212,7 +250,9 @@ class WatchSession:
     """One watched run: the recorder's rows in, the record and decisions out.
 
     ``release`` undoes the front end's instrumentation; the session calls it
-    when it stops watching (its own failure, ``"raise"``).
+    when it stops watching (its own failure, ``"raise"``). ``placement`` is
+    the watcher's :class:`~tb_nanwatch.run_dirs.RunPlacement`: the session
+    writes to its next stage dir.
     """
 
     def __init__(
@@ -222,12 +262,13 @@ class WatchSession:
         options: WatchOptions,
         run_info: dict,
         release: Callable[[], None],
+        placement: RunPlacement,
     ) -> None:
         self.recorder = recorder
         self.options = options
         self.worker = worker_info(recorder.strategy)
-        self.log_dir = worker_run_dir(log_dir, self.worker)
-        self.run_info = dict(run_info)
+        self.log_dir = placement.next_stage(worker_run_dir(log_dir, self.worker))
+        self.run_info = {**run_info, "stage": placement.stage}
         if self.worker is not None:
             self.run_info["worker"] = self.worker.name
             self.run_info["chief"] = self.worker.is_chief
@@ -267,14 +308,6 @@ class WatchSession:
         if incident is None:
             return None
         self.incident = incident
-        try:
-            self._save_bundle(incident)
-        except Exception as error:  # noqa: BLE001
-            warnings.warn(
-                f"NanWatch could not save the reproduction bundle: {error!r}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
         print(f"NanWatch: {describe_incident(incident)}", file=sys.stderr)
         return incident
 
@@ -323,6 +356,7 @@ class WatchSession:
             info,
             self.options.journal_settings(),
             writer=RunWriter(self.log_dir),
+            before_incident=self._bundle_or_warning,
         )
 
     def _replica_view(self, replica_first_nonfinite: np.ndarray) -> dict | None:
@@ -357,7 +391,19 @@ class WatchSession:
             ]
         return view
 
-    def _save_bundle(self, incident: dict) -> None:
+    def _bundle_or_warning(self, incident: dict) -> tuple[str, bool] | None:
+        """The reproduction bundle's (relative path, exact), or None after a warning."""
+        try:
+            return self._save_bundle(incident)
+        except Exception as error:  # noqa: BLE001
+            warnings.warn(
+                f"NanWatch could not save the reproduction bundle: {error!r}",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+            return None
+
+    def _save_bundle(self, incident: dict) -> tuple[str, bool]:
         """Writes the reproduction bundle (batch and pre-step weights)."""
         weights, batch, structure = self.recorder.device.pre_step_state()
         batch_step, weights_step = self.recorder.device.stashed_steps()
@@ -388,7 +434,7 @@ class WatchSession:
         relative = bundle.save_bundle(
             self.log_dir, incident["step"], weights_by_name, batch, structure, info
         )
-        self.journal.set_repro_bundle(relative)
+        return relative, exact
 
     # -- failure and the end -------------------------------------------------------
 
@@ -400,7 +446,11 @@ class WatchSession:
         self._release()
 
     def final_status(self) -> str:
-        return "stopped" if self.stops_training else "finished"
+        """ "stopped" after an incident, "terminated" when training went on
+        after a SIGTERM (a user's handler) and ended, else "finished"."""
+        if self.stops_training:
+            return "stopped"
+        return "terminated" if crash_safety.sigterm_received() else "finished"
 
     def close(self, status: str | None = None) -> None:
         """Writes the final run summary (``status``: "stopped"/"finished" by default)."""

@@ -35,6 +35,9 @@ class StepTrace:
     calls: list[LayerCall] = dataclasses.field(default_factory=list)
     losses: list[tuple[str, tf.Tensor]] = dataclasses.field(default_factory=list)
     call_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Layers called in the step whose outputs hold no float tensor (a
+    # StringLookup, an argmax): nothing in them can be NaN/Inf.
+    not_float: list[str] = dataclasses.field(default_factory=list)
 
 
 def _float_tensors(value: Any) -> list[tf.Tensor]:
@@ -221,6 +224,8 @@ class LayerTaps:
     def _record(self, trace: StepTrace, path: str, inputs: list, outputs) -> None:
         outs = _float_tensors(outputs)
         if not outs:
+            if path not in trace.not_float:
+                trace.not_float.append(path)
             return
         count = trace.call_counts.get(path, 0) + 1
         trace.call_counts[path] = count

@@ -282,6 +282,8 @@ def test_flush_due_skips_clean_and_busy_journals(tmp_path):
     )
     try:
         journal.record(0, 0, 0, _vector(schema))
+        assert not journal.dirty  # the first step is flushed at once (the run exists)
+        journal.record(1, 0, 1, _vector(schema))
         assert journal.dirty
         assert crash_safety.flush_due(now=time.monotonic()) == 0  # not due yet
         with journal._lock:  # busy in another thread: never blocks the flusher
@@ -299,22 +301,37 @@ def test_flush_due_skips_clean_and_busy_journals(tmp_path):
         journal.close()
 
 
-def test_sigterm_handler_chains_to_previous_handler(tmp_path, monkeypatch):
+def test_sigterm_with_a_user_handler_keeps_the_run_open(tmp_path, monkeypatch):
+    """A user's SIGTERM handler (graceful preemption) is called; the run is
+    not closed under it (training and recording go on), the background
+    flusher writes the waiting steps at once, and the run ends "terminated"."""
     schema = build_schema(2)
     journal = RunJournal(
         str(tmp_path / "run"), schema, {"model": "m"}, JournalSettings(flush_secs=1e9)
     )
     journal.record(0, 0, 0, _vector(schema))
+    journal.record(1, 0, 1, _vector(schema))
+    assert journal.dirty  # step 0 was flushed at once, step 1 waits
     calls = []
+    monkeypatch.setattr(crash_safety, "_sigterm_received", threading.Event())
     monkeypatch.setattr(crash_safety, "_previous_sigterm", lambda *a: calls.append(a))
-    crash_safety._on_sigterm(signal.SIGTERM, None)
-    assert calls == [(signal.SIGTERM, None)]
-    assert journal.closed and journal.status == "terminated"
-    summary, _, _ = read_run(str(tmp_path / "run"))
-    assert summary["status"] == "terminated" and summary["steps"] == 1
+    try:
+        crash_safety._on_sigterm(signal.SIGTERM, None)
+        assert calls == [(signal.SIGTERM, None)]
+        assert not journal.closed and crash_safety.sigterm_received()
+        deadline = time.monotonic() + 10
+        while journal.dirty and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert steps_on_disk(str(tmp_path / "run")) == 2
+        journal.record(2, 0, 2, _vector(schema))  # recording goes on
 
-    monkeypatch.setattr(crash_safety, "_previous_sigterm", signal.SIG_IGN)
-    crash_safety._on_sigterm(signal.SIGTERM, None)  # ignored before us: still ignored
+        monkeypatch.setattr(crash_safety, "_previous_sigterm", signal.SIG_IGN)
+        crash_safety._on_sigterm(signal.SIGTERM, None)  # ignored before us: still ignored
+        assert not journal.closed
+    finally:
+        crash_safety.close_all("terminated")
+    summary, _, _ = read_run(str(tmp_path / "run"))
+    assert summary["status"] == "terminated" and summary["steps"] == 3
 
 
 def test_next_fit_closes_a_record_left_open_by_an_exception(tmp_path):
