@@ -196,7 +196,7 @@ def test_op_and_bad_rows_of_an_input_incident(tmp_path):
     x = np.ones((6, 2), np.float32)
     x[4] = np.inf
     np.savez(bundle / "bundle.npz", **{"batch/0": x, "batch/1": np.ones((6, 1))})
-    journal.set_repro_bundle("repro/step_000000003")
+    journal.repro_bundle = "repro/step_000000003"  # as the bundle hook records it
     journal.close("stopped")
 
     code, out, _ = run_cli("report", str(tmp_path), "--json")
