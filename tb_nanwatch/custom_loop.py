@@ -49,6 +49,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tb_nanwatch import model_at_start
 from tb_nanwatch.journal import RunJournal
 from tb_nanwatch.phase_stats import StepInputs
 from tb_nanwatch.recorder import PendingStep, StepRecorder
@@ -86,6 +87,14 @@ class StepWatcher:
             for :class:`~tb_nanwatch.callback.NanWatch`. With ``"stop"``,
             :meth:`end_step` returns True; with ``"raise"`` it raises
             :class:`~tb_nanwatch.callback.NonFiniteError`.
+        loss_fn: optional ``loss_fn(y, y_pred[, sample_weight])``, the loss
+            your step computes. When training stops (:meth:`close`) after an
+            input..backward incident, the incident's step is replayed once
+            from its bundle with this loss to name the op and the source line
+            that made the first NaN/Inf (``tb_nanwatch.replay``); without it
+            only the forward pass is replayed (a compiled model's own loss is
+            used when it has one). It is also saved beside the bundle for
+            ``tb-nanwatch replay``.
     """
 
     def __init__(
@@ -103,8 +112,11 @@ class StepWatcher:
         flush_secs: float = 10.0,
         pre_step_weights: str = "on_suspect",
         explosion_factor: float = 1e3,
+        loss_fn=None,
     ) -> None:
         options = WatchOptions.from_arguments(locals())
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable or None, got {loss_fn!r}")
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}")
         positive_int("steps_per_execution", steps_per_execution)
@@ -119,9 +131,11 @@ class StepWatcher:
         self.recorder.install()
         info = base_run_info(self.recorder, model, optimizer, options)
         info["loop"] = "custom"
+        info.update(model_at_start.run_info(model, loss_fn))
         self.session = WatchSession(
             log_dir, self.recorder, options, info, self.recorder.uninstall, RunPlacement()
         )
+        self.session.replay_loss_fn = loss_fn
         self.log_dir = self.session.log_dir
 
     # -- in the compiled step ------------------------------------------------

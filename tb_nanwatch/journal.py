@@ -260,6 +260,20 @@ class RunJournal:
         )
         self.flush()
 
+    @_locked
+    def add_replayed_op(self, op: dict) -> None:
+        """Puts the replay's op (``{"type", "name", "source", "reproduced"}``)
+        into the incident, rewritten so the tab and the summary show it."""
+        if self.first_nonfinite is None or self.closed:
+            return
+        self.first_nonfinite["op"] = op
+        self.writer.write_json(
+            metadata.TAG_INCIDENT,
+            metadata.KIND_INCIDENT,
+            self.first_nonfinite["step"],
+            self.first_nonfinite,
+        )
+
     def summary(self) -> dict:
         return {
             "format_version": metadata.FORMAT_VERSION,

@@ -34,8 +34,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_nanwatch import bundle, crash_safety
+from tb_nanwatch import bundle, causes, crash_safety, replay
 from tb_nanwatch.device_record import PRE_STEP_WEIGHTS
+from tb_nanwatch.diagnosis import KIND_TEXT
 from tb_nanwatch.event_writer import RunWriter
 from tb_nanwatch.journal import JournalSettings, RunJournal
 from tb_nanwatch.recorder import StepRecorder
@@ -44,6 +45,9 @@ from tb_nanwatch.run_dirs import RunPlacement
 logger = logging.getLogger("tb_nanwatch")
 
 ON_NONFINITE = ("stop", "raise", "continue")
+# The incident phases a replay can name an op for (its bundle holds the batch
+# and the weights before the step; an update also needs the optimizer's state).
+REPLAYED_PHASES = ("input", "forward", "loss", "backward")
 # The largest flight-recorder window: the journal keeps ``window`` full stats
 # vectors in memory (a few MB each for a large model at the bound).
 MAX_WINDOW = 100_000
@@ -58,13 +62,25 @@ class NonFiniteError(RuntimeError):
 
 
 def describe_incident(incident: dict) -> str:
-    """The one-line console description of an incident."""
+    """The one-line description of an incident: what, when, in which phase, where."""
+    kind = KIND_TEXT.get(str(incident.get("kind")), "NaN or Inf")
     return (
-        f"first non-finite value at step {incident['step']} "
-        f"(epoch {incident.get('epoch')}, batch {incident.get('batch')}): "
-        f"phase={incident['phase']} layer={incident['layer']} "
-        f"tensor={incident['tensor']!r} kind={incident['kind']}"
+        f"first {kind} at step {incident['step']} "
+        f"(epoch {incident.get('epoch')}, batch {incident.get('batch')}), "
+        f"born in the {incident['phase']} phase, in {incident_place(incident)}"
     )
+
+
+def incident_place(incident: dict) -> str:
+    """Where an incident was born, in words: a layer with its tensor, the
+    loss, a model input or target; never ``None``."""
+    layer, tensor = incident.get("layer"), str(incident.get("tensor") or "")
+    if incident.get("phase") == "loss" and layer is None:
+        return "the loss"
+    if incident.get("phase") in ("input", "loss") or layer is None:
+        tensor = tensor or f"{incident.get('phase')} {layer}"
+        return tensor if tensor.startswith("the ") else f"the {tensor}"
+    return f"layer {layer} ({tensor})"
 
 
 def check_writable(log_dir: str | os.PathLike, argument: str = "log_dir") -> str:
@@ -274,6 +290,9 @@ class WatchSession:
             self.run_info["chief"] = self.worker.is_chief
             self.run_info["workers"] = self.worker.tasks
         self._release = release
+        # A custom loop's loss_fn(y, y_pred[, sample_weight]) for the replay
+        # (a compiled model's own loss otherwise).
+        self.replay_loss_fn: Callable | None = None
         self.journal: RunJournal | None = None
         self.incident: dict | None = None
         self.disabled = False
@@ -308,8 +327,27 @@ class WatchSession:
         if incident is None:
             return None
         self.incident = incident
-        print(f"NanWatch: {describe_incident(incident)}", file=sys.stderr)
+        print(self._incident_message(incident), file=sys.stderr)
         return incident
+
+    def _incident_message(self, incident: dict) -> str:
+        """The console message: on its own lines (never glued to a progress
+        bar), the incident, its cause, the run dir, the report command, the bundle."""
+        lines = ["", f"NanWatch: {describe_incident(incident)}"]
+        try:
+            lines.append(f"  {causes.describe(self.journal.cause())}")
+        except Exception as error:  # noqa: BLE001 - the message goes out without a cause
+            logger.debug("NanWatch: no cause verdict at the incident: %r", error)
+        lines.append(f"  run dir: {self.log_dir}")
+        lines.append(
+            f"  read it: tb-nanwatch report {self.log_dir}  (or TensorBoard's NaN Watch tab)"
+        )
+        if self.journal.repro_bundle:
+            where = posixpath.join(self.log_dir, self.journal.repro_bundle)
+            lines.append(f"  reproduction bundle: {where}  (tb_nanwatch.load_bundle)")
+        else:
+            lines.append("  no reproduction bundle was saved")
+        return "\n".join(lines)
 
     @property
     def stops_training(self) -> bool:
@@ -434,7 +472,19 @@ class WatchSession:
         relative = bundle.save_bundle(
             self.log_dir, incident["step"], weights_by_name, batch, structure, info
         )
+        self._save_model_beside(posixpath.join(self.log_dir, relative))
         return relative, exact
+
+    def _save_model_beside(self, bundle_dir: str) -> None:
+        """The model (and the replay's loss) beside the bundle, for ``tb-nanwatch replay``."""
+        try:
+            bundle.save_model(bundle_dir, self.recorder.model, self.replay_loss_fn)
+        except Exception as error:  # noqa: BLE001 - the bundle itself is saved
+            warnings.warn(
+                f"NanWatch could not save the model beside the bundle: {error!r}",
+                RuntimeWarning,
+                stacklevel=6,
+            )
 
     # -- failure and the end -------------------------------------------------------
 
@@ -444,6 +494,35 @@ class WatchSession:
             warn_stopped_watching(reason, stacklevel=4)
         self.disabled = True
         self._release()
+
+    def _replay_incident(self) -> None:
+        """After training: the op and source line of an exact input..backward
+        incident, by replaying its bundle (``tb_nanwatch.replay``), into the
+        incident and on the console. A failure is one warning, nothing else."""
+        journal = self.journal
+        incident = journal.first_nonfinite
+        if (
+            incident is None
+            or not journal.repro_bundle_exact
+            or incident.get("phase") not in REPLAYED_PHASES
+            or self.worker is not None  # no eager work beside a multi-worker cluster's peers
+        ):
+            return
+        try:
+            saved = bundle.load_bundle(posixpath.join(self.log_dir, journal.repro_bundle))
+            origin = replay.replay_step(self.recorder.model, saved, self.replay_loss_fn)
+            replay.write_result(saved, origin)
+            if origin is not None:
+                fields = origin.to_json()
+                journal.add_replayed_op(
+                    {k: fields[k] for k in ("type", "name", "source", "reproduced")}
+                )
+        except Exception as error:  # noqa: BLE001 - never break the end of the user's training
+            warnings.warn(
+                f"NanWatch could not replay the incident: {error!r}", RuntimeWarning, stacklevel=4
+            )
+            return
+        print(f"\nNanWatch replay of {replay.describe(saved.step, origin)}", file=sys.stderr)
 
     def final_status(self) -> str:
         """ "stopped" after an incident, "terminated" when training went on
@@ -457,6 +536,7 @@ class WatchSession:
         self.closed = True
         if self.journal is None or self.journal.closed:
             return
+        self._replay_incident()
         try:
             self.journal.close(status or self.final_status())
         except Exception as error:  # noqa: BLE001

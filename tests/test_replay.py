@@ -278,6 +278,14 @@ def test_cli_exit_2_without_bundle_or_model(tmp_path):
     code, _, err = run_cli(str(tmp_path / "missing"))
     assert code == 2 and "no reproduction bundle" in err
     fit_until_incident(forward_log, str(tmp_path / "run"))
+    # The watcher saves the model beside the bundle; a run dir without it (a
+    # model that could not be serialized, an older record) is refused.
+    directory = tb_nanwatch.load_bundle(str(tmp_path / "run")).directory
+    with open(f"{directory}/bundle.json") as f:
+        meta = json.load(f)
+    assert meta.pop("model") == bundle_module.MODEL_FILE
+    with open(f"{directory}/bundle.json", "w") as f:
+        json.dump(meta, f)
     code, _, err = run_cli(str(tmp_path / "run"))
     assert code == 2 and "no model saved" in err
 
