@@ -20,7 +20,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tb_nanwatch import step_stats
+from tb_nanwatch import io_names, step_stats
 from tb_nanwatch.taps import LayerTaps, StepTrace
 
 # Every op the statistics add to the step graph is created under this scope.
@@ -61,15 +61,19 @@ class StepInputs:
 def named_tensors(
     value: Any, prefix: str, preferred: list[str] | None = None
 ) -> list[tuple[str, tf.Tensor]]:
-    """Flattens inputs or targets into (name, tensor) pairs."""
+    """Flattens inputs (``prefix`` "") or targets (``prefix`` "target/") into
+    (name, tensor) pairs: by dict key, else by ``preferred``, else by position;
+    a single target is ``target``."""
+    flat = [t for t in tf.nest.flatten(value) if t is not None]
+    if prefix and len(flat) == 1:
+        return [(prefix.rstrip("/:"), flat[0])]
     if isinstance(value, dict):
         return [(f"{prefix}{k}", value[k]) for k in sorted(value) if value[k] is not None]
-    flat = [t for t in tf.nest.flatten(value) if t is not None]
     if preferred and len(preferred) == len(flat):
         return [(f"{prefix}{n}", t) for n, t in zip(preferred, flat, strict=False)]
     if len(flat) == 1:
-        return [(prefix.rstrip("/:") or "input", flat[0])]
-    return [(f"{prefix}{i}", t) for i, t in enumerate(flat)]
+        return [("input", flat[0])]
+    return [(f"{prefix or 'input_'}{i}", t) for i, t in enumerate(flat)]
 
 
 def watchable_input(value: Any) -> tuple[tf.Tensor | None, str]:
@@ -135,15 +139,16 @@ class PhaseStatistics:
         builder.add("header", "header", None, "step header", fields)
 
     def input(self, builder, inputs: StepInputs) -> None:
-        """The model inputs and the targets."""
-        model_inputs = getattr(inputs.model, "inputs", None) or []
-        input_names = [getattr(t, "name", None) for t in model_inputs]
-        input_names = [n.split(":")[0] for n in input_names if n]
-        for name, t in named_tensors(inputs.x, "", input_names):
-            self._add_input(builder, name, t, f"model input {name}")
+        """The model inputs and the targets, by the names a person reads
+        (see :mod:`tb_nanwatch.io_names`)."""
+        for name, t in named_tensors(inputs.x, "", io_names.input_names(inputs.model)):
+            text = "model input" if name == "input" else f"model input {name}"
+            self._add_input(builder, name, t, text)
         if inputs.y is not None:
-            for name, t in named_tensors(inputs.y, "target/"):
-                self._add_input(builder, name, t, f"target {name}")
+            flat_y = [t for t in tf.nest.flatten(inputs.y) if t is not None]
+            outputs = io_names.output_names(inputs.model, len(flat_y))
+            for name, t in named_tensors(inputs.y, "target/", outputs):
+                self._add_input(builder, name, t, io_names.target_text(name))
 
     def _add_input(self, builder, name: str, value: Any, tensor: str) -> None:
         """One input entry: a sparse or ragged input by its values; a string
@@ -161,10 +166,8 @@ class PhaseStatistics:
         for call in inputs.trace.calls:
             fields = step_stats.tensor_fields(call.outputs)
             builder.add("forward", "activation", call.path, f"output of {call.path}", fields)
-        output_names = list(getattr(inputs.model, "output_names", None) or [])
         flat_pred = [t for t in tf.nest.flatten(inputs.y_pred) if t is not None]
-        if len(output_names) != len(flat_pred):
-            output_names = [f"output_{i}" for i in range(len(flat_pred))]
+        output_names = io_names.output_names(inputs.model, len(flat_pred))
         for name, t in zip(output_names, flat_pred, strict=False):
             logits = getattr(t, "_keras_logits", None)
             what = "logits (before the final activation)" if logits is not None else "output"

@@ -16,6 +16,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tb_nanwatch import io_names
+
 
 @dataclasses.dataclass
 class LayerCall:
@@ -256,8 +258,13 @@ class LayerTaps:
             return
         taps = self
         wrapped = []
+        # Keras names a single output's loss after the loss ("binary_crossentropy"):
+        # the entry is named after the output it scores.
+        outputs = io_names.output_names(self.model, len(tf.nest.flatten(y_pred)))
         for index, item in enumerate(flat):
             name = item.name or f"output_{index}"
+            if len(flat) == len(outputs) and name not in outputs:
+                name = outputs[index]
 
             def loss_fn(y_true, y_pred, sample_weight=None, _fn=item.loss, _name=name):
                 value = _fn(y_true, y_pred, sample_weight)
