@@ -86,6 +86,11 @@ class StepWatcher:
             for :class:`~tb_nanwatch.callback.NanWatch`. With ``"stop"``,
             :meth:`end_step` returns True; with ``"raise"`` it raises
             :class:`~tb_nanwatch.callback.NonFiniteError`.
+        loss_fn: optional ``loss_fn(y, y_pred)``, your loop's loss: when
+            training stops, the incident's step is replayed with it from its
+            bundle to name the op and the source line (see
+            :mod:`tb_nanwatch.replay`); without it only the forward pass is
+            replayed.
     """
 
     def __init__(
@@ -103,8 +108,11 @@ class StepWatcher:
         flush_secs: float = 10.0,
         pre_step_weights: str = "on_suspect",
         explosion_factor: float = 1e3,
+        loss_fn=None,
     ) -> None:
         options = WatchOptions.from_arguments(locals())
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable or None, got {loss_fn!r}")
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}")
         positive_int("steps_per_execution", steps_per_execution)
@@ -122,6 +130,7 @@ class StepWatcher:
         self.session = WatchSession(
             log_dir, self.recorder, options, info, self.recorder.uninstall, RunPlacement()
         )
+        self.session.replay_loss = loss_fn
         self.log_dir = self.session.log_dir
 
     # -- in the compiled step ------------------------------------------------

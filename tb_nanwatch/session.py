@@ -34,7 +34,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_nanwatch import bundle, crash_safety
+from tb_nanwatch import bundle, causes, crash_safety, replay
 from tb_nanwatch.device_record import PRE_STEP_WEIGHTS
 from tb_nanwatch.event_writer import RunWriter
 from tb_nanwatch.journal import JournalSettings, RunJournal
@@ -44,6 +44,8 @@ from tb_nanwatch.run_dirs import RunPlacement
 logger = logging.getLogger("tb_nanwatch")
 
 ON_NONFINITE = ("stop", "raise", "continue")
+# The phases whose bundle holds the pre-step weights (see pre_step_weights).
+REPLAYED_PHASES = ("input", "forward", "loss", "backward")
 # The largest flight-recorder window: the journal keeps ``window`` full stats
 # vectors in memory (a few MB each for a large model at the bound).
 MAX_WINDOW = 100_000
@@ -58,13 +60,24 @@ class NonFiniteError(RuntimeError):
 
 
 def describe_incident(incident: dict) -> str:
-    """The one-line console description of an incident."""
+    """The one-line description of an incident (console, ``NonFiniteError``)."""
     return (
-        f"first non-finite value at step {incident['step']} "
-        f"(epoch {incident.get('epoch')}, batch {incident.get('batch')}): "
-        f"phase={incident['phase']} layer={incident['layer']} "
-        f"tensor={incident['tensor']!r} kind={incident['kind']}"
+        f"first non-finite value ({incident['kind']}) at step {incident['step']} "
+        f"(epoch {incident.get('epoch')}, batch {incident.get('batch')}), "
+        f"born in the {incident['phase']} phase, {_where(incident)}"
     )
+
+
+def _where(incident: dict) -> str:
+    """Where in the step: a layer, the loss or an input; never "layer None"."""
+    tensor = incident.get("tensor")
+    if incident.get("layer"):
+        return f"at layer {incident['layer']} ({tensor})"
+    if incident["phase"] == "loss":
+        return f"in the loss ({tensor})"
+    if incident["phase"] == "input":
+        return f"in the input ({tensor})"
+    return f"in {tensor}"
 
 
 def check_writable(log_dir: str | os.PathLike, argument: str = "log_dir") -> str:
@@ -228,7 +241,25 @@ def base_run_info(recorder: StepRecorder, model, optimizer, options: WatchOption
         "replicas": strategy.num_replicas_in_sync,
         "strategy": type(strategy).__name__,
         "on_nonfinite": options.on_nonfinite,
+        "dtype_policy": getattr(getattr(model, "dtype_policy", None), "name", None),
+        **_weights_at_start(model),
     }
+
+
+def _weights_at_start(model) -> dict:
+    """``{"weights_at_start": {"checked", "nonfinite"}}``: every float weight
+    checked once, on the host, before training (a NaN in a checkpoint or a
+    pretrained table is then told apart from one the training made); {} when
+    the model has no weights yet (built lazily in the first step)."""
+    try:
+        variables = [v for v in model.weights if keras.backend.is_float_dtype(v.dtype)]
+        nonfinite = [v.path for v in variables if not np.isfinite(v.numpy()).all()]
+    except Exception as error:  # noqa: BLE001 - evidence only: never stop the watch for it
+        logger.warning("NanWatch could not check the weights before training: %r", error)
+        return {}
+    if not variables:
+        return {}
+    return {"weights_at_start": {"checked": len(variables), "nonfinite": nonfinite}}
 
 
 def warn_stopped_watching(reason: str, stacklevel: int = 3) -> None:
@@ -274,6 +305,8 @@ class WatchSession:
             self.run_info["chief"] = self.worker.is_chief
             self.run_info["workers"] = self.worker.tasks
         self._release = release
+        # A custom loop's loss, for the replay (a compiled model has its own).
+        self.replay_loss: Callable | None = None
         self.journal: RunJournal | None = None
         self.incident: dict | None = None
         self.disabled = False
@@ -308,8 +341,22 @@ class WatchSession:
         if incident is None:
             return None
         self.incident = incident
-        print(f"NanWatch: {describe_incident(incident)}", file=sys.stderr)
+        print(self._incident_message(incident), file=sys.stderr, flush=True)
         return incident
+
+    def _incident_message(self, incident: dict) -> str:
+        """The console message: on its own lines (never glued to Keras'
+        progress bar), with the cause, the run dir and the bundle."""
+        lines = ["", f"NanWatch: {describe_incident(incident)}"]
+        try:
+            lines.append(f"  {causes.describe(self.journal.cause())}")
+        except Exception as error:  # noqa: BLE001 - the message must not fail
+            lines.append(f"  cause: not judged ({error!r})")
+        lines.append(f"  run dir: {self.log_dir}   details: tb-nanwatch report {self.log_dir}")
+        if self.journal.repro_bundle:
+            path = posixpath.join(self.log_dir, self.journal.repro_bundle)
+            lines.append(f"  reproduction bundle: {path}   (tb_nanwatch.load_bundle)")
+        return "\n".join(lines)
 
     @property
     def stops_training(self) -> bool:
@@ -434,6 +481,10 @@ class WatchSession:
         relative = bundle.save_bundle(
             self.log_dir, incident["step"], weights_by_name, batch, structure, info
         )
+        # The model travels with the bundle, for `tb-nanwatch replay` elsewhere.
+        bundle.save_model(
+            posixpath.join(self.log_dir, relative), self.recorder.model, self.replay_loss
+        )
         return relative, exact
 
     # -- failure and the end -------------------------------------------------------
@@ -457,7 +508,34 @@ class WatchSession:
         self.closed = True
         if self.journal is None or self.journal.closed:
             return
+        self._name_the_op()
         try:
             self.journal.close(status or self.final_status())
         except Exception as error:  # noqa: BLE001
             self.disable(f"could not close the record: {error!r}")
+
+    def _name_the_op(self) -> None:
+        """After training: replays the incident's step from its exact bundle to
+        name the op and the source line (no per-step cost); the op goes into
+        the incident record. Never raises: a failure is one warning."""
+        incident = self.journal.first_nonfinite
+        if (
+            incident is None
+            or not self.journal.repro_bundle
+            or not self.journal.repro_bundle_exact
+            or incident["phase"] not in REPLAYED_PHASES
+        ):
+            return
+        try:
+            saved = bundle.load_bundle(posixpath.join(self.log_dir, self.journal.repro_bundle))
+            origin = replay.replay_step(self.recorder.model, saved, self.replay_loss)
+            replay.write_result(saved, origin)
+        except Exception as error:  # noqa: BLE001 - never break the end of training
+            warnings.warn(
+                f"NanWatch could not replay the incident: {error!r}", RuntimeWarning, stacklevel=3
+            )
+            return
+        if origin is not None:
+            op = origin.to_json()
+            incident["op"] = {key: op[key] for key in ("type", "name", "source", "reproduced")}
+            print(f"NanWatch replay: {replay.describe(incident['step'], origin)}", file=sys.stderr)
