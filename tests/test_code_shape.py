@@ -21,6 +21,7 @@ CHECKED_MODULES = (
     "export",
     "hints",
     "journal",
+    "logdir_walk",
     "metadata",
     "plugin",
     "reader",
