@@ -154,7 +154,7 @@ def _add_export_command(commands) -> None:
         "--max-points",
         type=_positive,
         default=DEFAULT_MAX_POINTS,
-        help=f"timeline points per run; longer runs are reduced (default {DEFAULT_MAX_POINTS})",
+        help=f"timeline points per run; longer runs are reduced (default and most: {DEFAULT_MAX_POINTS})",
     )
     export.add_argument(
         "--max-step-tables",

@@ -21,6 +21,10 @@ MIN_COLUMNS = frozenset({"logit_min"})
 
 STEP_ROW_FIELDS = ("nan", "inf", "min", "max", "max_abs", "norm", "value")
 
+# Heatmap columns (steps) at most: a huge ``window`` must not make the
+# ``incident`` answer grow with it. The steps kept are those around the incident.
+HEATMAP_MAX_STEPS = 256
+
 
 def _py(value: float) -> float:
     return float(value)
@@ -198,6 +202,19 @@ def _layer_entries(schema: Schema, layers: list[str]) -> dict[str, _LayerEntries
     return by_layer
 
 
+def heatmap_steps(flight: Flight, incident: dict | None) -> slice:
+    """The flight rows the heatmap shows: all, or the ``HEATMAP_MAX_STEPS``
+    consecutive ones centred on the incident (the last ones without one)."""
+    count = flight.matrix.shape[0]
+    if count <= HEATMAP_MAX_STEPS:
+        return slice(0, count)
+    center = count - 1
+    if incident and flight.vector(int(incident["step"])) is not None:
+        center = int(incident["step"]) - flight.first_step
+    start = min(max(0, center - HEATMAP_MAX_STEPS // 2), count - HEATMAP_MAX_STEPS)
+    return slice(start, start + HEATMAP_MAX_STEPS)
+
+
 def heatmap(flight: Flight, incident: dict | None) -> dict:
     """Per-layer, per-step view of the flight-recorder window.
 
@@ -207,9 +224,10 @@ def heatmap(flight: Flight, incident: dict | None) -> dict:
     schema = flight.schema
     layers = heatmap_layers(schema)
     by_layer = _layer_entries(schema, layers)
+    shown = heatmap_steps(flight, incident)
     forward_max_abs, grad_norm, nonfinite = [], [], []
     for name in layers:
-        cells = [by_layer[name].cells(schema, vector) for vector in flight.matrix]
+        cells = [by_layer[name].cells(schema, vector) for vector in flight.matrix[shown]]
         forward_max_abs.append([c[0] for c in cells])
         grad_norm.append([c[1] for c in cells])
         nonfinite.append([c[2] for c in cells])
@@ -221,7 +239,7 @@ def heatmap(flight: Flight, incident: dict | None) -> dict:
             "phase": incident.get("phase"),
         }
     return {
-        "steps": flight.steps,
+        "steps": flight.steps[shown],
         "layers": layers,
         "forward_max_abs": forward_max_abs,
         "grad_norm": grad_norm,
