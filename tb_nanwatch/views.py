@@ -152,15 +152,21 @@ def step_rows(schema: Schema, vector: np.ndarray) -> list[dict]:
     return rows
 
 
+def heatmap_inputs(schema: Schema) -> list[str]:
+    """The model's inputs and targets, by name: the heatmap's first rows."""
+    return list(dict.fromkeys(e.layer for e in schema.entries if e.phase == "input" and e.layer))
+
+
 def heatmap_layers(schema: Schema) -> list[str]:
-    """Layer paths in execution order: forward activations, then the rest."""
+    """Rows in diagnosis order: inputs and targets, forward activations, then
+    the layers seen only in the backward pass or the update."""
     forward = [
         e.layer
         for e in schema.entries
         if e.phase == "forward" and e.kind == "activation" and e.layer
     ]
     rest = [e.layer for e in schema.entries if e.phase in ("backward", "update") and e.layer]
-    return list(dict.fromkeys(forward + rest))
+    return list(dict.fromkeys(heatmap_inputs(schema) + forward + rest))
 
 
 @dataclasses.dataclass
@@ -189,13 +195,13 @@ class _LayerEntries:
 def _layer_entries(schema: Schema, layers: list[str]) -> dict[str, _LayerEntries]:
     by_layer = {name: _LayerEntries() for name in layers}
     for entry in schema.diagnosed():
-        if entry.layer not in by_layer or entry.phase == "input":
+        if entry.layer not in by_layer:
             continue
         if entry.kind == "logits":
             continue  # named by model output, not by layer path
         row = by_layer[entry.layer]
         row.owned.append(entry)
-        if entry.kind == "activation":
+        if entry.kind in ("activation", "input"):  # an input has no gradient: null
             row.activations.append(entry)
         elif entry.kind == "grad_out":
             row.output_grads.append(entry)
@@ -241,6 +247,7 @@ def heatmap(flight: Flight, incident: dict | None) -> dict:
     return {
         "steps": flight.steps[shown],
         "layers": layers,
+        "input_rows": len(heatmap_inputs(schema)),
         "forward_max_abs": forward_max_abs,
         "grad_norm": grad_norm,
         "nonfinite": nonfinite,

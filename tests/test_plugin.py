@@ -165,7 +165,8 @@ def test_incident_heatmap_points_at_the_origin(client):
     assert body["incident"]["step"] == BIG_INCIDENT
     heatmap = body["heatmap"]
     assert heatmap["steps"] == list(range(BIG_INCIDENT - 31, BIG_INCIDENT + 1))
-    assert len(heatmap["layers"]) == 10
+    assert heatmap["layers"][: heatmap["input_rows"]] == ["input_0"]
+    assert len(heatmap["layers"]) == heatmap["input_rows"] + 10
     row = heatmap["layers"].index("model/block0/layer3")
     assert heatmap["nonfinite"][row] == [0] * 31 + [1]
     assert heatmap["forward_max_abs"][row][-1] == "NaN"
