@@ -72,6 +72,15 @@ def named_tensors(
     return [(f"{prefix}{i}", t) for i, t in enumerate(flat)]
 
 
+def _input_name(keras_tensor) -> str | None:
+    """A model input's name as the user gave it (``keras.Input(name=...)``):
+    the name of the input layer that made it, not ``keras_tensor_5``."""
+    history = getattr(keras_tensor, "_keras_history", None)
+    layer = getattr(history, "operation", None)
+    name = getattr(layer, "name", None) or getattr(keras_tensor, "name", None)
+    return name.split(":")[0] if name else None
+
+
 def watchable_input(value: Any) -> tuple[tf.Tensor | None, str]:
     """(the tensor whose statistics stand for an input, "") or (None, why not).
 
@@ -136,14 +145,15 @@ class PhaseStatistics:
 
     def input(self, builder, inputs: StepInputs) -> None:
         """The model inputs and the targets."""
-        model_inputs = getattr(inputs.model, "inputs", None) or []
-        input_names = [getattr(t, "name", None) for t in model_inputs]
-        input_names = [n.split(":")[0] for n in input_names if n]
-        for name, t in named_tensors(inputs.x, "", input_names):
+        input_names = [_input_name(t) for t in getattr(inputs.model, "inputs", None) or []]
+        for name, t in named_tensors(inputs.x, "", [n for n in input_names if n]):
             self._add_input(builder, name, t, f"model input {name}")
         if inputs.y is not None:
-            for name, t in named_tensors(inputs.y, "target/"):
-                self._add_input(builder, name, t, f"target {name}")
+            output_names = list(getattr(inputs.model, "output_names", None) or [])
+            preferred = output_names if len(output_names) > 1 else None  # one: "target"
+            for name, t in named_tensors(inputs.y, "target/", preferred):
+                text = "target" if name == "target" else f"target for output {name[7:]}"
+                self._add_input(builder, name, t, text)
 
     def _add_input(self, builder, name: str, value: Any, tensor: str) -> None:
         """One input entry: a sparse or ragged input by its values; a string
@@ -167,9 +177,11 @@ class PhaseStatistics:
             output_names = [f"output_{i}" for i in range(len(flat_pred))]
         for name, t in zip(output_names, flat_pred, strict=False):
             logits = getattr(t, "_keras_logits", None)
-            what = "logits (before the final activation)" if logits is not None else "output"
+            tensor = f"model output {name}"
+            if logits is not None:
+                tensor = f"logits of model output {name} (before the final activation)"
             fields = step_stats.tensor_fields([logits if logits is not None else t])
-            builder.add("forward", "logits", name, f"{what} of model output {name}", fields)
+            builder.add("forward", "logits", name, tensor, fields)
 
     def loss(self, builder, inputs: StepInputs) -> None:
         """Each output's loss, then the total."""

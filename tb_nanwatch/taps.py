@@ -256,8 +256,13 @@ class LayerTaps:
             return
         taps = self
         wrapped = []
+        # Named by the model's outputs (the loss's own name, e.g.
+        # "binary_crossentropy", says nothing about which output it scores).
+        outputs = list(getattr(self.model, "output_names", None) or [])
         for index, item in enumerate(flat):
             name = item.name or f"output_{index}"
+            if name not in outputs and len(outputs) == len(flat):
+                name = outputs[index]
 
             def loss_fn(y_true, y_pred, sample_weight=None, _fn=item.loss, _name=name):
                 value = _fn(y_true, y_pred, sample_weight)

@@ -117,3 +117,20 @@ def test_run_summary_holds_the_weights_checked_at_start_and_the_dtype_policy(tmp
     assert run["first_nonfinite"]["step"] == 0
     assert run["cause"]["id"] == "nonfinite_weights"
     assert kernel.path in json.dumps(run["cause"]["evidence"])
+
+
+def test_entries_are_named_by_the_models_inputs_and_outputs(tmp_path):
+    inp = keras.Input((3,), name="features")
+    hidden = keras.layers.Dense(4, name="hidden")(inp)
+    out = keras.layers.Dense(1, activation="sigmoid", name="prob")(hidden)
+    model = keras.Model(inp, out)
+    model.compile(optimizer="sgd", loss="binary_crossentropy")
+    watch = tb_nanwatch.NanWatch(str(tmp_path / "run"))
+    model.fit(np.ones((16, 3)), np.ones((16, 1)), batch_size=8, verbose=0, callbacks=[watch])
+    tensors = [e.tensor for e in watch.journal.schema.entries]
+    assert "model input features" in tensors
+    assert "target" in tensors
+    assert "logits of model output prob (before the final activation)" in tensors
+    assert "loss of output prob" in tensors
+    assert not any("keras_tensor" in t or "target target" in t for t in tensors)
+    assert not any("binary_crossentropy" in t for t in tensors)
