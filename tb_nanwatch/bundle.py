@@ -161,6 +161,9 @@ def _update_meta(directory: str, changes: dict) -> None:
     path = posixpath.join(directory, "bundle.json")
     with gfile.GFile(path, "r") as f:
         meta = json.loads(f.read())
+    # Removed first: some file systems (ram://) do not truncate a file opened
+    # for writing, and a shorter body would leave the old tail behind.
+    gfile.remove(path)
     with gfile.GFile(path, "w") as f:
         f.write(json.dumps({**meta, **changes}, indent=1, allow_nan=True))
 

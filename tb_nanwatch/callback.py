@@ -14,8 +14,8 @@ When the first non-finite value appears, NanWatch tells you *where it was
 born*: the first non-finite tensor in the order input -> forward -> loss ->
 backward -> update. For example::
 
-    NanWatch: first NaN at step 1234 (epoch 3, batch 34), born in the backward phase, in
-      layer encoder/norm (gradient w.r.t. input of encoder/norm)
+    NanWatch: first non-finite value (nan) at step 1234 (epoch 3, batch 34), born in the
+      backward phase, at layer encoder/norm (gradient w.r.t. input of encoder/norm)
 
 reads: every input, activation and the loss of step 1234 were finite; going
 backwards from the loss, the first gradient that was not finite is the one
@@ -42,7 +42,7 @@ import sys
 
 import keras
 
-from tb_nanwatch import model_at_start, train_step
+from tb_nanwatch import train_step
 from tb_nanwatch.journal import RunJournal
 from tb_nanwatch.recorder import StepRecorder
 from tb_nanwatch.run_dirs import RunPlacement
@@ -148,7 +148,6 @@ class NanWatch(keras.callbacks.Callback):
             )
             self._recorder.install()
             run_info = base_run_info(self._recorder, model, model.optimizer, self.options)
-            run_info.update(model_at_start.run_info(model, model.loss))
             self._session = WatchSession(
                 self.log_dir,
                 self._recorder,

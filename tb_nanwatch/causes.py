@@ -390,7 +390,7 @@ def _predecessors(case: _Case, origin: Entry) -> list[Entry]:
     for entry in case.rec.schema.diagnosed():
         if entry is origin or entry.offset >= origin.offset:
             break
-        if entry.kind in MAGNITUDE_KINDS and not entry.tensor.startswith("target "):
+        if entry.kind in MAGNITUDE_KINDS and not _is_target(entry):
             before.append(entry)
     return before
 
@@ -737,3 +737,9 @@ RULES: tuple[Callable[[_Case], dict | None], ...] = (
     backward_math,
     optimizer_update,
 )
+
+
+def _is_target(entry: Entry) -> bool:
+    """A target entry ("target", or "target for output <name>"; older runs:
+    "target <name>"): not a layer's input."""
+    return entry.tensor == "target" or entry.tensor.startswith("target ")

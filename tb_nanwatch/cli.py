@@ -18,12 +18,10 @@ import types
 from collections.abc import Sequence
 from typing import TextIO
 
+from tb_nanwatch import logdir_walk
+
 EXIT_OK = 0
 EXIT_USAGE = 2
-
-
-def _is_remote(path: str) -> bool:
-    return "://" in path
 
 
 def _prefer_tensorflow_free_io(logdir: str) -> None:
@@ -34,14 +32,14 @@ def _prefer_tensorflow_free_io(logdir: str) -> None:
     Local files need nothing more, and this saves seconds of TF import.
     Remote paths (``gs://`` ...) keep TensorFlow's file systems.
     """
-    if _is_remote(logdir) or "tensorflow" in sys.modules:
+    if logdir_walk.is_remote(logdir) or "tensorflow" in sys.modules:
         return
     sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
 
 
 def _check_logdir(logdir: str) -> str | None:
     """An error message when LOGDIR is not a readable directory."""
-    if _is_remote(logdir):
+    if logdir_walk.is_remote(logdir):
         from tensorboard.compat import tf
 
         if not tf.io.gfile.isdir(logdir):
@@ -51,6 +49,11 @@ def _check_logdir(logdir: str) -> str | None:
         return f"LOGDIR {logdir!r} does not exist"
     if not os.path.isdir(logdir):
         return f"LOGDIR {logdir!r} is not a directory"
+    try:
+        with os.scandir(logdir):
+            pass
+    except OSError as error:
+        return f"LOGDIR {logdir!r} cannot be read ({error.strerror or error})"
     return None
 
 
@@ -152,7 +155,7 @@ def _add_export_command(commands) -> None:
         "--max-points",
         type=_positive,
         default=DEFAULT_MAX_POINTS,
-        help=f"timeline points per run; longer runs are reduced (default {DEFAULT_MAX_POINTS})",
+        help=f"timeline points per run; longer runs are reduced (default and most: {DEFAULT_MAX_POINTS})",
     )
     export.add_argument(
         "--max-step-tables",

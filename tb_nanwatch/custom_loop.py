@@ -49,7 +49,6 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tb_nanwatch import model_at_start
 from tb_nanwatch.journal import RunJournal
 from tb_nanwatch.phase_stats import StepInputs
 from tb_nanwatch.recorder import PendingStep, StepRecorder
@@ -61,6 +60,7 @@ from tb_nanwatch.session import (
     base_run_info,
     check_optimizer,
     check_writable,
+    loss_from_logits,
     positive_int,
 )
 from tb_nanwatch.taps import StepTrace
@@ -87,14 +87,11 @@ class StepWatcher:
             for :class:`~tb_nanwatch.callback.NanWatch`. With ``"stop"``,
             :meth:`end_step` returns True; with ``"raise"`` it raises
             :class:`~tb_nanwatch.callback.NonFiniteError`.
-        loss_fn: optional ``loss_fn(y, y_pred[, sample_weight])``, the loss
-            your step computes. When training stops (:meth:`close`) after an
-            input..backward incident, the incident's step is replayed once
-            from its bundle with this loss to name the op and the source line
-            that made the first NaN/Inf (``tb_nanwatch.replay``); without it
-            only the forward pass is replayed (a compiled model's own loss is
-            used when it has one). It is also saved beside the bundle for
-            ``tb-nanwatch replay``.
+        loss_fn: optional ``loss_fn(y, y_pred)``, your loop's loss: when
+            training stops, the incident's step is replayed with it from its
+            bundle to name the op and the source line (see
+            :mod:`tb_nanwatch.replay`); without it only the forward pass is
+            replayed.
     """
 
     def __init__(
@@ -131,11 +128,12 @@ class StepWatcher:
         self.recorder.install()
         info = base_run_info(self.recorder, model, optimizer, options)
         info["loop"] = "custom"
-        info.update(model_at_start.run_info(model, loss_fn))
+        if loss_fn is not None:
+            info["loss_from_logits"] = loss_from_logits(loss_fn)
         self.session = WatchSession(
             log_dir, self.recorder, options, info, self.recorder.uninstall, RunPlacement()
         )
-        self.session.replay_loss_fn = loss_fn
+        self.session.replay_loss = loss_fn
         self.log_dir = self.session.log_dir
 
     # -- in the compiled step ------------------------------------------------

@@ -25,7 +25,7 @@ from urllib.parse import urlencode
 
 from tb_nanwatch import __version__, metadata, plugin
 
-DEFAULT_MAX_POINTS = 20_000
+DEFAULT_MAX_POINTS = plugin.MAX_MAX_POINTS  # the most the timeline route answers
 DEFAULT_MAX_STEP_TABLES = 64
 
 
@@ -82,7 +82,7 @@ def collect(
     for entry in entries:
         run = entry["run"]
         total = max(int(entry.get("steps") or 0), 1)
-        points = max(1, min(max_points, total, plugin.MAX_MAX_POINTS))
+        points = max(1, min(max_points, total, plugin.MAX_MAX_POINTS))  # the route refuses more
         status, timeline = _get(client, "timeline", {"run": run, "max_points": points})
         if status == 200:
             # Answers the frontend's first request and, by run, its zooms.

@@ -4,9 +4,10 @@ A Keras functional model's input tensors are named ``keras_tensor_N`` and an
 unnamed ``Input`` layer ``input_layer_N``: neither says anything. An input is
 named by its ``Input`` layer's name when the user gave one (``features``), by
 the keys of dict inputs, else ``input`` (one) or ``input_<i>`` (several).
-Outputs are named by the model's output names (its output layers), else
-``output`` / ``output_<i>``; targets after the output they belong to:
-``target`` (one) or ``target/<output name>`` (several).
+Outputs are named by the model's output names (its output layers; a
+``Sequential`` has none: its last layer's name), else ``output`` /
+``output_<i>``; the targets of several outputs after them
+(``target/<output name>``), one target is ``target``.
 """
 
 from __future__ import annotations
@@ -52,9 +53,3 @@ def output_names(model, count: int) -> list[str]:
     if len(names) != count or not all(names) or len(set(names)) != count:
         return _fallback("output", count)
     return [str(n) for n in names]
-
-
-def target_text(name: str) -> str:
-    """The tensor text of a target entry named ``target`` or ``target/<output>``."""
-    output = name.partition("/")[2]
-    return f"target of output {output}" if output else "target (y)"

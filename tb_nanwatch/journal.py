@@ -35,6 +35,10 @@ SERIES_BASE_COLUMNS = (
     "batch",
 )
 
+# Steps on each side of an explosion onset kept as per-layer snapshots (from
+# the flight ring), so the onset's "show layers" lands on data.
+ONSET_SNAPSHOT_RADIUS = 8
+
 
 def _locked(method):
     """Runs a journal method under the journal's lock (crash_safety flushes
@@ -163,6 +167,7 @@ class RunJournal:
             self.first_nonfinite = verdict.incident
         if verdict.explosion is not None:
             self.explosion_onset = verdict.explosion
+            self._write_onset_snapshots(int(verdict.explosion["step"]))
             self.flush()
         if len(self._chunk_rows) >= metadata.CHUNK_STEPS:
             self._write_chunk()
@@ -221,6 +226,17 @@ class RunJournal:
             metadata.series_tag(index), metadata.KIND_SERIES, self._chunk_start, chunk
         )
 
+    def _write_onset_snapshots(self, onset: int) -> None:
+        """Per-layer snapshots of the ring's steps around the explosion onset
+        (those not already written as periodic snapshots)."""
+        steps, window = self.flight_window()
+        for step, vector in zip(steps.tolist(), window, strict=True):
+            periodic = self.snapshot_every and step % self.snapshot_every == 0
+            if abs(step - onset) <= ONSET_SNAPSHOT_RADIUS and not periodic:
+                self.writer.write_array(
+                    metadata.layers_tag(step), metadata.KIND_LAYERS, step, vector
+                )
+
     def flight_window(self) -> tuple[np.ndarray, np.ndarray]:
         """The last ``window`` steps recorded: (steps, [n, schema.size])."""
         valid = self._ring_steps >= 0
@@ -259,20 +275,6 @@ class RunJournal:
             metadata.TAG_INCIDENT, metadata.KIND_INCIDENT, incident["step"], incident
         )
         self.flush()
-
-    @_locked
-    def add_replayed_op(self, op: dict) -> None:
-        """Puts the replay's op (``{"type", "name", "source", "reproduced"}``)
-        into the incident, rewritten so the tab and the summary show it."""
-        if self.first_nonfinite is None or self.closed:
-            return
-        self.first_nonfinite["op"] = op
-        self.writer.write_json(
-            metadata.TAG_INCIDENT,
-            metadata.KIND_INCIDENT,
-            self.first_nonfinite["step"],
-            self.first_nonfinite,
-        )
 
     def summary(self) -> dict:
         return {

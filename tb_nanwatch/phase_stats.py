@@ -61,19 +61,15 @@ class StepInputs:
 def named_tensors(
     value: Any, prefix: str, preferred: list[str] | None = None
 ) -> list[tuple[str, tf.Tensor]]:
-    """Flattens inputs (``prefix`` "") or targets (``prefix`` "target/") into
-    (name, tensor) pairs: by dict key, else by ``preferred``, else by position;
-    a single target is ``target``."""
-    flat = [t for t in tf.nest.flatten(value) if t is not None]
-    if prefix and len(flat) == 1:
-        return [(prefix.rstrip("/:"), flat[0])]
+    """Flattens inputs or targets into (name, tensor) pairs."""
     if isinstance(value, dict):
         return [(f"{prefix}{k}", value[k]) for k in sorted(value) if value[k] is not None]
+    flat = [t for t in tf.nest.flatten(value) if t is not None]
     if preferred and len(preferred) == len(flat):
         return [(f"{prefix}{n}", t) for n, t in zip(preferred, flat, strict=False)]
     if len(flat) == 1:
-        return [("input", flat[0])]
-    return [(f"{prefix or 'input_'}{i}", t) for i, t in enumerate(flat)]
+        return [(prefix.rstrip("/:") or "input", flat[0])]
+    return [(f"{prefix}{i}", t) for i, t in enumerate(flat)]
 
 
 def watchable_input(value: Any) -> tuple[tf.Tensor | None, str]:
@@ -139,16 +135,16 @@ class PhaseStatistics:
         builder.add("header", "header", None, "step header", fields)
 
     def input(self, builder, inputs: StepInputs) -> None:
-        """The model inputs and the targets, by the names a person reads
-        (see :mod:`tb_nanwatch.io_names`)."""
+        """The model inputs and the targets."""
         for name, t in named_tensors(inputs.x, "", io_names.input_names(inputs.model)):
-            text = "model input" if name == "input" else f"model input {name}"
-            self._add_input(builder, name, t, text)
+            self._add_input(builder, name, t, f"model input {name}")
         if inputs.y is not None:
             flat_y = [t for t in tf.nest.flatten(inputs.y) if t is not None]
-            outputs = io_names.output_names(inputs.model, len(flat_y))
-            for name, t in named_tensors(inputs.y, "target/", outputs):
-                self._add_input(builder, name, t, io_names.target_text(name))
+            output_names = io_names.output_names(inputs.model, len(flat_y))
+            preferred = output_names if len(output_names) > 1 else None  # one: "target"
+            for name, t in named_tensors(inputs.y, "target/", preferred):
+                text = "target" if name == "target" else f"target for output {name[7:]}"
+                self._add_input(builder, name, t, text)
 
     def _add_input(self, builder, name: str, value: Any, tensor: str) -> None:
         """One input entry: a sparse or ragged input by its values; a string
@@ -170,9 +166,11 @@ class PhaseStatistics:
         output_names = io_names.output_names(inputs.model, len(flat_pred))
         for name, t in zip(output_names, flat_pred, strict=False):
             logits = getattr(t, "_keras_logits", None)
-            what = "logits (before the final activation)" if logits is not None else "output"
+            tensor = f"model output {name}"
+            if logits is not None:
+                tensor = f"logits of model output {name} (before the final activation)"
             fields = step_stats.tensor_fields([logits if logits is not None else t])
-            builder.add("forward", "logits", name, f"{what} of model output {name}", fields)
+            builder.add("forward", "logits", name, tensor, fields)
 
     def loss(self, builder, inputs: StepInputs) -> None:
         """Each output's loss, then the total."""

@@ -1,8 +1,10 @@
 """A text or JSON report of the NaN Watch runs in a log directory.
 
-The log directory is read by TensorBoard's own loader (``EventMultiplexer``
-with TensorBoard's default sampling, wrapped in ``MultiplexerDataProvider``),
-then through :mod:`tb_nanwatch.reader`, exactly as the plugin reads it.
+The log directory is walked by :mod:`tb_nanwatch.logdir_walk` (which survives
+unreadable directories, symlink cycles and FIFOs), each run is read by
+TensorBoard's own loader (``EventMultiplexer`` with TensorBoard's default
+sampling, wrapped in ``MultiplexerDataProvider``), then through
+:mod:`tb_nanwatch.reader`, exactly as the plugin reads it.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ import os
 import numpy as np
 from tensorboard import context
 
-from tb_nanwatch import causes, diagnosis, hints, reader
+from tb_nanwatch import causes, diagnosis, hints, logdir_walk, reader
 
 EXPERIMENT_ID = ""
 logger = logging.getLogger(__name__)
 
 
 def load_provider(logdir: str):
-    """A ``MultiplexerDataProvider`` over every run found under ``logdir``."""
+    """A ``MultiplexerDataProvider`` over every readable run under ``logdir``."""
     # Imported here: TensorBoard's event processing pulls in its I/O layer.
     from tensorboard.backend.event_processing import (
         data_provider,
@@ -29,9 +31,29 @@ def load_provider(logdir: str):
     )
 
     multiplexer = plugin_event_multiplexer.EventMultiplexer()
-    multiplexer.AddRunsFromDirectory(logdir)
+    if logdir_walk.is_remote(logdir):  # gs:// ...: TensorBoard's walk, no local one
+        multiplexer.AddRunsFromDirectory(logdir)
+    else:
+        for run_dir in logdir_walk.find_run_dirs(logdir):
+            name = logdir_walk.run_name(logdir, run_dir)
+            multiplexer.AddRun(run_dir, name)
+            _load_only_regular_files(multiplexer.GetAccumulator(name))
     _reload_each_run(multiplexer)
     return data_provider.MultiplexerDataProvider(multiplexer, logdir)
+
+
+def _load_only_regular_files(accumulator) -> None:
+    """Makes a run's directory watcher skip event-file names that are not
+    readable regular files (a FIFO would block its reader forever).
+
+    TensorBoard offers no argument for this filter: it is set on the
+    accumulator's ``DirectoryWatcher`` (``_generator._path_filter``).
+    """
+    from tensorboard.backend.event_processing import directory_watcher
+
+    watcher = getattr(accumulator, "_generator", None)
+    if isinstance(watcher, directory_watcher.DirectoryWatcher):
+        watcher._path_filter = logdir_walk.is_loadable_event_file
 
 
 class _TruncatedRecordWarner(logging.Handler):

@@ -36,7 +36,6 @@ import tensorflow as tf
 
 from tb_nanwatch import bundle, causes, crash_safety, replay
 from tb_nanwatch.device_record import PRE_STEP_WEIGHTS
-from tb_nanwatch.diagnosis import KIND_TEXT
 from tb_nanwatch.event_writer import RunWriter
 from tb_nanwatch.journal import JournalSettings, RunJournal
 from tb_nanwatch.recorder import StepRecorder
@@ -45,8 +44,7 @@ from tb_nanwatch.run_dirs import RunPlacement
 logger = logging.getLogger("tb_nanwatch")
 
 ON_NONFINITE = ("stop", "raise", "continue")
-# The incident phases a replay can name an op for (its bundle holds the batch
-# and the weights before the step; an update also needs the optimizer's state).
+# The phases whose bundle holds the pre-step weights (see pre_step_weights).
 REPLAYED_PHASES = ("input", "forward", "loss", "backward")
 # The largest flight-recorder window: the journal keeps ``window`` full stats
 # vectors in memory (a few MB each for a large model at the bound).
@@ -62,25 +60,24 @@ class NonFiniteError(RuntimeError):
 
 
 def describe_incident(incident: dict) -> str:
-    """The one-line description of an incident: what, when, in which phase, where."""
-    kind = KIND_TEXT.get(str(incident.get("kind")), "NaN or Inf")
+    """The one-line description of an incident (console, ``NonFiniteError``)."""
     return (
-        f"first {kind} at step {incident['step']} "
+        f"first non-finite value ({incident['kind']}) at step {incident['step']} "
         f"(epoch {incident.get('epoch')}, batch {incident.get('batch')}), "
-        f"born in the {incident['phase']} phase, in {incident_place(incident)}"
+        f"born in the {incident['phase']} phase, {_where(incident)}"
     )
 
 
-def incident_place(incident: dict) -> str:
-    """Where an incident was born, in words: a layer with its tensor, the
-    loss, a model input or target; never ``None``."""
-    layer, tensor = incident.get("layer"), str(incident.get("tensor") or "")
-    if incident.get("phase") == "loss" and layer is None:
-        return "the loss"
-    if incident.get("phase") in ("input", "loss") or layer is None:
-        tensor = tensor or f"{incident.get('phase')} {layer}"
-        return tensor if tensor.startswith("the ") else f"the {tensor}"
-    return f"layer {layer} ({tensor})"
+def _where(incident: dict) -> str:
+    """Where in the step: a layer, the loss or an input; never "layer None"."""
+    tensor = incident.get("tensor")
+    if incident.get("layer"):
+        return f"at layer {incident['layer']} ({tensor})"
+    if incident["phase"] == "loss":
+        return f"in the loss ({tensor})"
+    if incident["phase"] == "input":
+        return f"in the input ({tensor})"
+    return f"in {tensor}"
 
 
 def check_writable(log_dir: str | os.PathLike, argument: str = "log_dir") -> str:
@@ -244,7 +241,39 @@ def base_run_info(recorder: StepRecorder, model, optimizer, options: WatchOption
         "replicas": strategy.num_replicas_in_sync,
         "strategy": type(strategy).__name__,
         "on_nonfinite": options.on_nonfinite,
+        "dtype_policy": getattr(getattr(model, "dtype_policy", None), "name", None),
+        "loss_from_logits": loss_from_logits(getattr(model, "loss", None)),
+        **_weights_at_start(model),
     }
+
+
+def _weights_at_start(model) -> dict:
+    """``{"weights_at_start": {"checked", "nonfinite"}}``: every float weight
+    checked once, on the host, before training (a NaN in a checkpoint or a
+    pretrained table is then told apart from one the training made); {} when
+    the model has no weights yet (built lazily in the first step)."""
+    try:
+        variables = [v for v in model.weights if keras.backend.is_float_dtype(v.dtype)]
+        nonfinite = [v.path for v in variables if not np.isfinite(v.numpy()).all()]
+    except Exception as error:  # noqa: BLE001 - evidence only: never stop the watch for it
+        logger.warning("NanWatch could not check the weights before training: %r", error)
+        return {}
+    if not variables:
+        return {}
+    return {"weights_at_start": {"checked": len(variables), "nonfinite": nonfinite}}
+
+
+def loss_from_logits(loss) -> bool | None:
+    """Whether ``loss`` (a compiled loss or a custom loop's ``loss_fn``) reads
+    logits: a loss object's ``from_logits``; a crossentropy named by a string
+    reads probabilities; None when not known (differing losses, a function)."""
+    if isinstance(loss, (list, tuple, dict)):
+        values = {loss_from_logits(item) for item in tf.nest.flatten(loss)}
+        return values.pop() if len(values) == 1 else None
+    if isinstance(loss, str):
+        return False if "crossentropy" in loss else None
+    from_logits = getattr(loss, "from_logits", None)
+    return from_logits if isinstance(from_logits, bool) else None
 
 
 def warn_stopped_watching(reason: str, stacklevel: int = 3) -> None:
@@ -290,9 +319,8 @@ class WatchSession:
             self.run_info["chief"] = self.worker.is_chief
             self.run_info["workers"] = self.worker.tasks
         self._release = release
-        # A custom loop's loss_fn(y, y_pred[, sample_weight]) for the replay
-        # (a compiled model's own loss otherwise).
-        self.replay_loss_fn: Callable | None = None
+        # A custom loop's loss, for the replay (a compiled model has its own).
+        self.replay_loss: Callable | None = None
         self.journal: RunJournal | None = None
         self.incident: dict | None = None
         self.disabled = False
@@ -327,26 +355,21 @@ class WatchSession:
         if incident is None:
             return None
         self.incident = incident
-        print(self._incident_message(incident), file=sys.stderr)
+        print(self._incident_message(incident), file=sys.stderr, flush=True)
         return incident
 
     def _incident_message(self, incident: dict) -> str:
-        """The console message: on its own lines (never glued to a progress
-        bar), the incident, its cause, the run dir, the report command, the bundle."""
+        """The console message: on its own lines (never glued to Keras'
+        progress bar), with the cause, the run dir and the bundle."""
         lines = ["", f"NanWatch: {describe_incident(incident)}"]
         try:
             lines.append(f"  {causes.describe(self.journal.cause())}")
-        except Exception as error:  # noqa: BLE001 - the message goes out without a cause
-            logger.debug("NanWatch: no cause verdict at the incident: %r", error)
-        lines.append(f"  run dir: {self.log_dir}")
-        lines.append(
-            f"  read it: tb-nanwatch report {self.log_dir}  (or TensorBoard's NaN Watch tab)"
-        )
+        except Exception as error:  # noqa: BLE001 - the message must not fail
+            lines.append(f"  cause: not judged ({error!r})")
+        lines.append(f"  run dir: {self.log_dir}   details: tb-nanwatch report {self.log_dir}")
         if self.journal.repro_bundle:
-            where = posixpath.join(self.log_dir, self.journal.repro_bundle)
-            lines.append(f"  reproduction bundle: {where}  (tb_nanwatch.load_bundle)")
-        else:
-            lines.append("  no reproduction bundle was saved")
+            path = posixpath.join(self.log_dir, self.journal.repro_bundle)
+            lines.append(f"  reproduction bundle: {path}   (tb_nanwatch.load_bundle)")
         return "\n".join(lines)
 
     @property
@@ -472,19 +495,11 @@ class WatchSession:
         relative = bundle.save_bundle(
             self.log_dir, incident["step"], weights_by_name, batch, structure, info
         )
-        self._save_model_beside(posixpath.join(self.log_dir, relative))
+        # The model travels with the bundle, for `tb-nanwatch replay` elsewhere.
+        bundle.save_model(
+            posixpath.join(self.log_dir, relative), self.recorder.model, self.replay_loss
+        )
         return relative, exact
-
-    def _save_model_beside(self, bundle_dir: str) -> None:
-        """The model (and the replay's loss) beside the bundle, for ``tb-nanwatch replay``."""
-        try:
-            bundle.save_model(bundle_dir, self.recorder.model, self.replay_loss_fn)
-        except Exception as error:  # noqa: BLE001 - the bundle itself is saved
-            warnings.warn(
-                f"NanWatch could not save the model beside the bundle: {error!r}",
-                RuntimeWarning,
-                stacklevel=6,
-            )
 
     # -- failure and the end -------------------------------------------------------
 
@@ -494,35 +509,6 @@ class WatchSession:
             warn_stopped_watching(reason, stacklevel=4)
         self.disabled = True
         self._release()
-
-    def _replay_incident(self) -> None:
-        """After training: the op and source line of an exact input..backward
-        incident, by replaying its bundle (``tb_nanwatch.replay``), into the
-        incident and on the console. A failure is one warning, nothing else."""
-        journal = self.journal
-        incident = journal.first_nonfinite
-        if (
-            incident is None
-            or not journal.repro_bundle_exact
-            or incident.get("phase") not in REPLAYED_PHASES
-            or self.worker is not None  # no eager work beside a multi-worker cluster's peers
-        ):
-            return
-        try:
-            saved = bundle.load_bundle(posixpath.join(self.log_dir, journal.repro_bundle))
-            origin = replay.replay_step(self.recorder.model, saved, self.replay_loss_fn)
-            replay.write_result(saved, origin)
-            if origin is not None:
-                fields = origin.to_json()
-                journal.add_replayed_op(
-                    {k: fields[k] for k in ("type", "name", "source", "reproduced")}
-                )
-        except Exception as error:  # noqa: BLE001 - never break the end of the user's training
-            warnings.warn(
-                f"NanWatch could not replay the incident: {error!r}", RuntimeWarning, stacklevel=4
-            )
-            return
-        print(f"\nNanWatch replay of {replay.describe(saved.step, origin)}", file=sys.stderr)
 
     def final_status(self) -> str:
         """ "stopped" after an incident, "terminated" when training went on
@@ -536,8 +522,37 @@ class WatchSession:
         self.closed = True
         if self.journal is None or self.journal.closed:
             return
-        self._replay_incident()
+        self._name_the_op()
         try:
             self.journal.close(status or self.final_status())
         except Exception as error:  # noqa: BLE001
             self.disable(f"could not close the record: {error!r}")
+
+    def _name_the_op(self) -> None:
+        """After training: replays the incident's step from its exact bundle to
+        name the op and the source line (no per-step cost); the op goes into
+        the incident record. Never raises: a failure is one warning."""
+        incident = self.journal.first_nonfinite
+        if (
+            incident is None
+            or not self.journal.repro_bundle
+            or not self.journal.repro_bundle_exact
+            or incident["phase"] not in REPLAYED_PHASES
+            or self.worker is not None  # no eager work beside a multi-worker cluster's peers
+        ):
+            return
+        try:
+            saved = bundle.load_bundle(posixpath.join(self.log_dir, self.journal.repro_bundle))
+            origin = replay.replay_step(self.recorder.model, saved, self.replay_loss)
+            replay.write_result(saved, origin)
+        except Exception as error:  # noqa: BLE001 - never break the end of training
+            warnings.warn(
+                f"NanWatch could not replay the incident: {error!r}", RuntimeWarning, stacklevel=3
+            )
+            return
+        if origin is not None:
+            op = origin.to_json()
+            incident["op"] = {key: op[key] for key in ("type", "name", "source", "reproduced")}
+            print(
+                f"\nNanWatch replay: {replay.describe(incident['step'], origin)}", file=sys.stderr
+            )

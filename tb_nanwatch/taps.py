@@ -258,12 +258,12 @@ class LayerTaps:
             return
         taps = self
         wrapped = []
-        # Keras names a single output's loss after the loss ("binary_crossentropy"):
-        # the entry is named after the output it scores.
+        # Named by the model's outputs (the loss's own name, e.g.
+        # "binary_crossentropy", says nothing about which output it scores).
         outputs = io_names.output_names(self.model, len(tf.nest.flatten(y_pred)))
         for index, item in enumerate(flat):
             name = item.name or f"output_{index}"
-            if len(flat) == len(outputs) and name not in outputs:
+            if name not in outputs and len(outputs) == len(flat):
                 name = outputs[index]
 
             def loss_fn(y_true, y_pred, sample_weight=None, _fn=item.loss, _name=name):

@@ -22,6 +22,10 @@ MIN_COLUMNS = frozenset({"logit_min"})
 
 STEP_ROW_FIELDS = ("nan", "inf", "min", "max", "max_abs", "norm", "value")
 
+# Heatmap columns (steps) at most: a huge ``window`` must not make the
+# ``incident`` answer grow with it. The steps kept are those around the incident.
+HEATMAP_MAX_STEPS = 256
+
 
 def _py(value: float) -> float:
     return float(value)
@@ -166,15 +170,21 @@ def step_rows(schema: Schema, vector: np.ndarray) -> list[dict]:
     return rows
 
 
+def heatmap_inputs(schema: Schema) -> list[str]:
+    """The model's inputs and targets, by name: the heatmap's first rows."""
+    return list(dict.fromkeys(e.layer for e in schema.entries if e.phase == "input" and e.layer))
+
+
 def heatmap_layers(schema: Schema) -> list[str]:
-    """Layer paths in execution order: forward activations, then the rest."""
+    """Rows in diagnosis order: inputs and targets, forward activations, then
+    the layers seen only in the backward pass or the update."""
     forward = [
         e.layer
         for e in schema.entries
         if e.phase == "forward" and e.kind == "activation" and e.layer
     ]
     rest = [e.layer for e in schema.entries if e.phase in ("backward", "update") and e.layer]
-    return list(dict.fromkeys(forward + rest))
+    return list(dict.fromkeys(heatmap_inputs(schema) + forward + rest))
 
 
 @dataclasses.dataclass
@@ -203,17 +213,30 @@ class _LayerEntries:
 def _layer_entries(schema: Schema, layers: list[str]) -> dict[str, _LayerEntries]:
     by_layer = {name: _LayerEntries() for name in layers}
     for entry in schema.diagnosed():
-        if entry.layer not in by_layer or entry.phase == "input":
+        if entry.layer not in by_layer:
             continue
         if entry.kind == "logits":
             continue  # named by model output, not by layer path
         row = by_layer[entry.layer]
         row.owned.append(entry)
-        if entry.kind == "activation":
+        if entry.kind in ("activation", "input"):  # an input has no gradient: null
             row.activations.append(entry)
         elif entry.kind == "grad_out":
             row.output_grads.append(entry)
     return by_layer
+
+
+def heatmap_steps(flight: Flight, incident: dict | None) -> slice:
+    """The flight rows the heatmap shows: all, or the ``HEATMAP_MAX_STEPS``
+    consecutive ones centred on the incident (the last ones without one)."""
+    count = flight.matrix.shape[0]
+    if count <= HEATMAP_MAX_STEPS:
+        return slice(0, count)
+    center = count - 1
+    if incident and flight.vector(int(incident["step"])) is not None:
+        center = int(incident["step"]) - flight.first_step
+    start = min(max(0, center - HEATMAP_MAX_STEPS // 2), count - HEATMAP_MAX_STEPS)
+    return slice(start, start + HEATMAP_MAX_STEPS)
 
 
 def heatmap(flight: Flight, incident: dict | None) -> dict:
@@ -225,9 +248,10 @@ def heatmap(flight: Flight, incident: dict | None) -> dict:
     schema = flight.schema
     layers = heatmap_layers(schema)
     by_layer = _layer_entries(schema, layers)
+    shown = heatmap_steps(flight, incident)
     forward_max_abs, grad_norm, nonfinite = [], [], []
     for name in layers:
-        cells = [by_layer[name].cells(schema, vector) for vector in flight.matrix]
+        cells = [by_layer[name].cells(schema, vector) for vector in flight.matrix[shown]]
         forward_max_abs.append([c[0] for c in cells])
         grad_norm.append([c[1] for c in cells])
         nonfinite.append([c[2] for c in cells])
@@ -239,8 +263,9 @@ def heatmap(flight: Flight, incident: dict | None) -> dict:
             "phase": incident.get("phase"),
         }
     return {
-        "steps": flight.steps,
+        "steps": flight.steps[shown],
         "layers": layers,
+        "input_rows": len(heatmap_inputs(schema)),
         "forward_max_abs": forward_max_abs,
         "grad_norm": grad_norm,
         "nonfinite": nonfinite,

@@ -19,6 +19,8 @@ import pytest
 from nanwatch_testlib import CHROMIUM, base_vector
 from test_browser import ARTIFACTS, TIMEOUT_MS, Watched, browser, tensorboard  # noqa: F401
 
+from tb_nanwatch.plugin import MAX_MAX_POINTS
+
 pytest.importorskip("playwright.sync_api")
 
 pytestmark = [
@@ -311,7 +313,7 @@ def test_run_filter_narrows_the_run_list(browser, server):  # noqa: F811
 
 def _route_timeline(base: str, run: str) -> dict:
     status, _, body = lib.http_get(
-        f"{base}/data/plugin/nanwatch/timeline?run={run}&max_points=200000"
+        f"{base}/data/plugin/nanwatch/timeline?run={run}&max_points={MAX_MAX_POINTS}"
     )
     assert status == 200
     return json.loads(body)

@@ -198,3 +198,37 @@ def test_pure_view_helpers():
     assert out["csv"] == "step,loss,grad_norm\n0,0.5,Infinity\n1,NaN,\n"
     assert out["regex"] and out["text"] and out["invalid"] is False
     assert out["origin"] and not out["otherStep"]
+
+
+def test_a_download_joins_exact_windows_and_keeps_non_finite_values():
+    """A run longer than the route's cap is downloaded in exact windows."""
+    node = shutil.which("node")
+    if node is None:
+        if _require_npm():
+            pytest.fail("NANWATCH_REQUIRE_NPM=1 but node is not on PATH")
+        pytest.skip("node is not on PATH")
+    script = """
+      import { joinWindows } from "./src/timeline_data.js";
+      const part = (start, end, loss) => ({ run: "r", start, end, bucket: 1, total_steps: 5,
+        steps: Array.from({ length: end - start }, (_, i) => start + i), columns: { loss } });
+      const whole = joinWindows([part(0, 2, [1, NaN]), part(2, 4, [Infinity, 2]), part(4, 5, [3])]);
+      console.log(JSON.stringify({ steps: whole.steps, loss: whole.columns.loss.map(String),
+                                   start: whole.start, end: whole.end, bucket: whole.bucket }));
+    """
+    result = subprocess.run(
+        [node, "--input-type=module", "-e", script],
+        cwd=FRONTEND,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out == {
+        "steps": [0, 1, 2, 3, 4],
+        "loss": ["1", "NaN", "Infinity", "2", "3"],
+        "start": 0,
+        "end": 5,
+        "bucket": 1,
+    }

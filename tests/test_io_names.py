@@ -42,8 +42,8 @@ def test_functional_model_names(tmp_path):
     assert entries(journal, "input") == [
         ("features", "model input features"),
         ("input_1", "model input input_1"),
-        ("target/score", "target of output score"),
-        ("target/prob", "target of output prob"),
+        ("target/score", "target for output score"),
+        ("target/prob", "target for output prob"),
     ]
     assert entries(journal, "loss") == [
         ("score", "loss of output score"),
@@ -51,8 +51,8 @@ def test_functional_model_names(tmp_path):
         (None, "total loss"),
     ]
     assert entries(journal, kind="logits") == [
-        ("score", "output of model output score"),
-        ("prob", "logits (before the final activation) of model output prob"),
+        ("score", "model output score"),
+        ("prob", "logits of model output prob (before the final activation)"),
     ]
     text = " ".join(e.tensor for e in journal.schema.entries)
     assert "keras_tensor" not in text and "input_layer" not in text
@@ -63,7 +63,7 @@ def test_single_input_and_target(tmp_path):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, name="head")])
     ones = np.ones((8, 3), "float32")
     journal = fit(model, "binary_crossentropy", ones, np.ones((8, 1), "float32"), str(tmp_path))
-    assert entries(journal, "input") == [("input", "model input"), ("target", "target (y)")]
+    assert entries(journal, "input") == [("input", "model input input"), ("target", "target")]
     assert entries(journal, "loss")[0] == ("head", "loss of output head")
     assert "loss/head" in journal.series_columns
 
@@ -98,7 +98,7 @@ def test_step_watcher_names(tmp_path):
     assert entries(watcher.journal, "input") == [
         ("features", "model input features"),
         ("input_1", "model input input_1"),
-        ("target", "target (y)"),
+        ("target", "target"),
     ]
 
 
@@ -110,4 +110,3 @@ def test_fallback_names():
     assert io_names.input_names(Subclassed()) == []
     assert io_names.output_names(Subclassed(), 1) == ["output"]
     assert io_names.output_names(Subclassed(), 2) == ["output_0", "output_1"]
-    assert io_names.target_text("target/prob") == "target of output prob"

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from nanwatch_testlib import BIG_INCIDENT, PLUGIN, XSS_RUN, get_json
 
 from tb_nanwatch import metadata, plugin, reader
+from tb_nanwatch.plugin import MAX_MAX_POINTS
 from tb_nanwatch.synthetic import write_synthetic_run
 
 FUTURE_RUN = "future"
@@ -121,7 +122,7 @@ def test_newer_format_run_is_skipped_with_one_warning(py_client, caplog):
 
 
 def test_every_step_and_the_exact_first_nonfinite_survive_default_sampling(client):
-    body = get_json(client, f"{PLUGIN}/timeline?run=big&max_points=200000")
+    body = get_json(client, f"{PLUGIN}/timeline?run=big&max_points={MAX_MAX_POINTS}")
     assert body["bucket"] == 1
     assert body["steps"] == list(range(BIG_INCIDENT + 1))
     nonfinite = body["columns"]["nonfinite"]
@@ -166,7 +167,8 @@ def test_incident_heatmap_points_at_the_origin(client):
     assert body["incident"]["step"] == BIG_INCIDENT
     heatmap = body["heatmap"]
     assert heatmap["steps"] == list(range(BIG_INCIDENT - 31, BIG_INCIDENT + 1))
-    assert len(heatmap["layers"]) == 10
+    assert heatmap["layers"][: heatmap["input_rows"]] == ["input_0"]
+    assert len(heatmap["layers"]) == heatmap["input_rows"] + 10
     row = heatmap["layers"].index("model/block0/layer3")
     assert heatmap["nonfinite"][row] == [0] * 31 + [1]
     assert heatmap["forward_max_abs"][row][-1] == "NaN"
@@ -231,7 +233,8 @@ BAD_REQUESTS = [
     "/step?run=big&step=9007199254740992",
     "/step?run=big&step=%EF%BC%91",  # fullwidth digit one
     "/timeline?run=big&max_points=0",
-    "/timeline?run=big&max_points=200001",
+    f"/timeline?run=big&max_points={MAX_MAX_POINTS + 1}",
+    "/timeline?run=big&max_points=200000",
     "/timeline?run=big&max_points=many",
     "/timeline?run=big&start=-5",
     "/timeline?run=big&start=10&end=10",

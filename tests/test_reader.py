@@ -291,6 +291,7 @@ NO_TENSORFLOW_MODULES = (
     "export",
     "report",
     "cli",
+    "logdir_walk",
     "plugin",
 )
 

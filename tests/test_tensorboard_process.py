@@ -9,6 +9,8 @@ import nanwatch_testlib as lib
 import pytest
 from nanwatch_testlib import BIG_INCIDENT, XSS_RUN
 
+from tb_nanwatch.plugin import MAX_MAX_POINTS
+
 STARTUP_TIMEOUT = 120.0
 
 
@@ -41,7 +43,7 @@ def _check_routes(base: str) -> None:
     runs = lib.strict_json(body.decode())["runs"]
     assert [r["run"] for r in runs] == sorted(["big", "healthy", XSS_RUN])
 
-    status, _, body = lib.http_get(f"{plugin}/timeline?run=big&max_points=200000")
+    status, _, body = lib.http_get(f"{plugin}/timeline?run=big&max_points={MAX_MAX_POINTS}")
     timeline = lib.strict_json(body.decode())
     assert status == 200 and timeline["steps"] == list(range(BIG_INCIDENT + 1))
     assert timeline["columns"]["loss"][BIG_INCIDENT] == "NaN"

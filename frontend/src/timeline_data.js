@@ -10,9 +10,31 @@
 import { fetchTimeline } from "./api.js";
 
 export const MAX_POINTS = 4000;
-/** The route's largest `max_points`: a download is exact up to this many steps. */
-const DOWNLOAD_MAX_POINTS = 200000;
+/** The route's largest `max_points` (plugin.MAX_MAX_POINTS): a download reads windows this long. */
+const DOWNLOAD_WINDOW = 8000;
 const REFETCH_DELAY_MS = 150;
+
+/**
+ * One timeline response from consecutive exact windows of one run (steps and
+ * every column concatenated; NaN/Infinity kept as they came).
+ * @param {Object[]} parts Responses for [0, w), [w, 2w), ... in order.
+ * @returns {Object} A response covering them all, bucket 1.
+ */
+export function joinWindows(parts) {
+  const [first] = parts;
+  const columns = {};
+  for (const name of Object.keys(first.columns)) {
+    columns[name] = parts.flatMap((part) => part.columns[name] ?? []);
+  }
+  return {
+    ...first,
+    start: first.start,
+    end: parts[parts.length - 1].end,
+    bucket: 1,
+    steps: parts.flatMap((part) => part.steps),
+    columns,
+  };
+}
 
 /**
  * The step range to fetch for a visible x range, or null when the data held
@@ -103,9 +125,15 @@ export function createTimelineData(run, events) {
       requested = null;
       return data;
     },
-    /** Fetches the whole run at the finest resolution the route gives (for downloads). */
-    fetchWhole() {
-      return fetchTimeline(run, { maxPoints: DOWNLOAD_MAX_POINTS });
+    /** Fetches the whole run, every step exactly, in windows the route accepts (for downloads). */
+    async fetchWhole() {
+      const first = await fetchTimeline(run, { start: 0, end: DOWNLOAD_WINDOW, maxPoints: DOWNLOAD_WINDOW });
+      const parts = [first];
+      for (let start = DOWNLOAD_WINDOW; start < first.total_steps; start += DOWNLOAD_WINDOW) {
+        const end = start + DOWNLOAD_WINDOW;
+        parts.push(await fetchTimeline(run, { start, end, maxPoints: DOWNLOAD_WINDOW }));
+      }
+      return joinWindows(parts);
     },
     /** The user now sees [min, max]: fetch it exactly, soon, if needed. */
     showRange(min, max) {

@@ -1,0 +1,135 @@
+"""The cause verdict on real Keras training, each cause fixed by how the model
+and data were built (tests/test_causes.py covers every id and its near misses
+on recorded vectors; here the recorder, the journal and the report run too)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import tb_nanwatch
+
+BATCH = 8
+
+
+def _cause(log_dir) -> dict | None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tb_nanwatch.cli", "report", str(log_dir), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (run,) = json.loads(out.stdout)["runs"]
+    return run["cause"]
+
+
+def _fit(model, x, y, run_dir, optimizer, loss="mse", steps=None):
+    model.compile(optimizer=optimizer, loss=loss)
+    watch = tb_nanwatch.NanWatch(str(run_dir))
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[watch])
+    return watch
+
+
+def _mlp(depth: int, width: int, seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((width,))
+    h = inp
+    for i in range(depth):
+        h = keras.layers.Dense(width, name=f"dense_{i}")(h)
+    return keras.Model(inp, keras.layers.Dense(1, name="head")(h))
+
+
+def test_a_learning_rate_far_too_high_is_growth_overflow(tmp_path):
+    # Linear layers and SGD at lr 1: every step multiplies the weights' scale,
+    # the loss climbs by orders of magnitude until float32 overflows.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60 * BATCH, 16)).astype("float32")
+    y = rng.normal(size=(60 * BATCH, 1)).astype("float32")
+    watch = _fit(_mlp(3, 16), x, y, tmp_path / "run", keras.optimizers.SGD(1.0))
+    assert watch.incident is not None
+    cause = _cause(tmp_path)
+    assert cause["id"] == "growth_overflow", cause
+    assert cause["evidence"]["onset_step"] < watch.incident["step"]
+    assert cause["evidence"]["growth_factor"] > 1e3
+    assert "learning rate" in cause["remedies"][0].lower()
+
+
+def test_a_nan_row_in_a_pretrained_embedding_is_nonfinite_weights(tmp_path):
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((4,), dtype="int32")
+    h = keras.layers.Embedding(20, 8, name="pretrained")(inp)
+    out = keras.layers.Dense(1, name="head")(keras.layers.GlobalAveragePooling1D()(h))
+    model = keras.Model(inp, out)
+    table = model.get_layer("pretrained").embeddings
+    rows = table.numpy()
+    rows[7] = np.nan  # a broken row of the pretrained table
+    table.assign(rows)
+    x = np.arange(10 * BATCH * 4).reshape(-1, 4) % 7  # never looks row 7 up ...
+    x[5 * BATCH + 2, 1] = 7  # ... until step 5
+    y = np.zeros((len(x), 1), "float32")
+    watch = _fit(model, x, y, tmp_path / "run", keras.optimizers.SGD(0.01))
+    # The table is checked whole after each update: the NaN row shows at step 0.
+    assert (watch.incident["step"], watch.incident["phase"]) == (0, "update")
+    cause = _cause(tmp_path)
+    assert cause["id"] == "nonfinite_weights", cause
+    assert table.path in cause["evidence"]["variables"]
+
+
+def test_an_all_masked_softmax_row_is_forward_math(tmp_path):
+    @keras.saving.register_keras_serializable("test_causes_in_training")
+    class MaskedSoftmax(keras.layers.Layer):
+        def call(self, x):
+            scores = keras.ops.where(x > 0, x, -np.inf)  # masks with -inf
+            return keras.ops.softmax(scores, axis=-1)
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6,))
+    out = keras.layers.Dense(1, name="head")(MaskedSoftmax(name="attend")(inp))
+    model = keras.Model(inp, out)
+    x = np.random.default_rng(0).uniform(0.1, 1.0, (8 * BATCH, 6)).astype("float32")
+    x[4 * BATCH + 3] = -1.0  # every position of this row is masked: softmax 0/0
+    y = np.zeros((len(x), 1), "float32")
+    watch = _fit(model, x, y, tmp_path / "run", keras.optimizers.SGD(0.01))
+    assert (watch.incident["step"], watch.incident["layer"]) == (4, "attend")
+    assert _cause(tmp_path)["id"] == "forward_math"
+
+
+@pytest.fixture
+def mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_a_float16_activation_beyond_65504_is_fp16_overflow(tmp_path, mixed_precision):
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,))
+    h = keras.layers.Dense(8, kernel_initializer="ones", name="wide")(inp)
+    out = keras.layers.Dense(1, dtype="float32", name="head")(h)
+    model = keras.Model(inp, out)
+    x = np.full((30 * BATCH, 8), 10.0, "float32")  # 8 x 10 = 80: fine in float16
+    x[3 * BATCH :] = 1e4  # 8 x 1e4 = 8e4 > 65504: inf in float16, finite in float32
+    y = np.zeros((len(x), 1), "float32")
+    optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.0))
+    watch = _fit(model, x, y, tmp_path / "run", optimizer)
+    # The loss scaler skips every step from 3 on, halving its scale each time:
+    # the incident is when the scale falls below min_loss_scale (or 20 skips).
+    assert 3 < watch.incident["step"] <= 3 + 20
+    assert "loss scale" in watch.incident.get("note", "")
+    cause = _cause(tmp_path)
+    assert cause["id"] == "fp16_overflow", cause
+    assert cause["evidence"]["dtype_policy"] == "mixed_float16"
+
+
+def test_a_healthy_noisy_run_has_no_cause(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(40 * BATCH, 16)).astype("float32")
+    y = (x[:, :1] + rng.normal(scale=2.0, size=(len(x), 1))).astype("float32")
+    watch = _fit(_mlp(3, 16), x, y, tmp_path / "run", keras.optimizers.Adam(1e-3))
+    assert watch.incident is None
+    assert _cause(tmp_path) is None
