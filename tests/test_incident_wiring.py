@@ -5,13 +5,12 @@ keys the cause verdict reads (weights at start, dtype policy)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from nanwatch_testlib import report_json
 from test_replay import BATCH, backward_sqrt, forward_log
 
 import tb_nanwatch
@@ -20,13 +19,7 @@ from tb_nanwatch.session import WatchOptions, base_run_info
 
 
 def _report(log_dir) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "tb_nanwatch.cli", "report", str(log_dir), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    (run,) = json.loads(out.stdout)["runs"]
+    (run,) = report_json(log_dir)
     return run
 
 
