@@ -187,8 +187,10 @@ class PhaseStatistics:
             grads_by_owner.setdefault(owners.get(id(v)), []).append((v, fields))
         for call, out_grads, in_grads in reversed(_grads_per_call(inputs)):
             path = call.path
-            fields = step_stats.gradient_fields(out_grads)
-            builder.add("backward", "grad_out", path, f"gradient w.r.t. output of {path}", fields)
+            if any(g is not None for g in out_grads):  # else no gradient: not a zero one
+                fields = step_stats.gradient_fields(out_grads)
+                tensor = f"gradient w.r.t. output of {path}"
+                builder.add("backward", "grad_out", path, tensor, fields)
             if "#" not in path:
                 for v, fields in grads_by_owner.pop(path, []):
                     builder.add("backward", "grad_var", path, f"gradient of {v.path}", fields)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -319,3 +320,40 @@ def write_named_run(
             vector[schema.find(kind="activation")[bad_layer].offset] = 1.0
         journal.record(step, 0, step, vector)
     journal.close("stopped")
+
+
+FRONTEND = Path(__file__).resolve().parent.parent / "frontend"
+
+
+def run_node_module(script: str):
+    """Runs ``script`` (an ES module importing ``./src/...``) in node from
+    ``frontend/``; returns the JSON it printed. Skips without node, unless
+    ``NANWATCH_REQUIRE_NPM=1`` (CI), where a missing node fails."""
+    import pytest
+
+    node = shutil.which("node")
+    if node is None:
+        if os.environ.get("NANWATCH_REQUIRE_NPM", "") not in ("", "0"):
+            pytest.fail("NANWATCH_REQUIRE_NPM=1 but node is not on PATH")
+        pytest.skip("node is not on PATH")
+    result = subprocess.run(
+        [node, "--input-type=module", "-e", script],
+        cwd=FRONTEND,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def report_json(log_dir) -> list[dict]:
+    """``tb-nanwatch report LOG_DIR --json``'s runs, from a real CLI process."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tb_nanwatch.cli", "report", str(log_dir), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout)["runs"]

@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from nanwatch_testlib import CHROMIUM, XSS_RUN
+from nanwatch_testlib import CHROMIUM, XSS_RUN, run_node_module
 from test_browser import ARTIFACTS, TIMEOUT_MS, Watched, browser, tensorboard  # noqa: F401
 
 pytest.importorskip("playwright.sync_api")
@@ -561,12 +561,6 @@ def test_card_fits_and_reads_at_each_width_and_theme(tab, width, dark):
 
 def test_view_helpers_in_node():
     """cause.js and repro_bundle.js helpers, and revive() on the new keys."""
-    import shutil
-    import subprocess
-
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not on PATH")
     script = """
       import { causeLabel, causeLine, evidenceText, evidenceName } from "./src/cause.js";
       import { exactText } from "./src/repro_bundle.js";
@@ -589,17 +583,7 @@ def test_view_helpers_in_node():
                   r.op.type, r.op.name, r.op.source],
       }));
     """
-    frontend = Path(__file__).resolve().parents[1] / "frontend"
-    result = subprocess.run(
-        [node, "--input-type=module", "-e", script],
-        cwd=frontend,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
+    out = run_node_module(script)
     assert out["labels"] == ["Bad input data", "float16 overflow", "brand_new"]
     assert out["line"] == "Math error in the loss: log(0)." and out["none"] is None
     assert out["texts"] == [

@@ -4,13 +4,10 @@ on recorded vectors; here the recorder, the journal and the report run too)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
+from nanwatch_testlib import report_json
 
 import tb_nanwatch
 
@@ -18,13 +15,7 @@ BATCH = 8
 
 
 def _cause(log_dir) -> dict | None:
-    out = subprocess.run(
-        [sys.executable, "-m", "tb_nanwatch.cli", "report", str(log_dir), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    (run,) = json.loads(out.stdout)["runs"]
+    (run,) = report_json(log_dir)
     return run["cause"]
 
 

@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from nanwatch_testlib import run_node_module
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONTEND = ROOT / "frontend"
@@ -116,11 +117,6 @@ def test_bundle_exports_render_and_loads_relative_stylesheet():
 
 def test_revive_restores_non_finite_numbers_but_not_names():
     """api.js: "NaN"/"Infinity"/"-Infinity" become numbers, except under name keys."""
-    node = shutil.which("node")
-    if node is None:
-        if _require_npm():
-            pytest.fail("NANWATCH_REQUIRE_NPM=1 but node is not on PATH")
-        pytest.skip("node is not on PATH")
     script = """
       import { revive } from "./src/api.js";
       const out = revive({
@@ -132,16 +128,7 @@ def test_revive_restores_non_finite_numbers_but_not_names():
         title: out.hints[0].title, evidence: String(out.hints[0].evidence.x),
       }));
     """
-    result = subprocess.run(
-        [node, "--input-type=module", "-e", script],
-        cwd=FRONTEND,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == {
+    assert run_node_module(script) == {
         "loss": ["1", "NaN", "Infinity", "-Infinity"],
         "run": "NaN",
         "layers": ["Infinity"],
@@ -152,11 +139,6 @@ def test_revive_restores_non_finite_numbers_but_not_names():
 
 def test_pure_view_helpers():
     """heatmap/download/run_selector/step_table helpers, run in node."""
-    node = shutil.which("node")
-    if node is None:
-        if _require_npm():
-            pytest.fail("NANWATCH_REQUIRE_NPM=1 but node is not on PATH")
-        pytest.skip("node is not on PATH")
     script = """
       import { initialMetric, labelledColumns } from "./src/heatmap.js";
       import { timelineCsv } from "./src/download.js";
@@ -178,16 +160,7 @@ def test_pure_view_helpers():
         otherStep: isOriginRow({ phase: "loss", layer: null, tensor: "total loss" }, inc, 4),
       }));
     """
-    result = subprocess.run(
-        [node, "--input-type=module", "-e", script],
-        cwd=FRONTEND,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
+    out = run_node_module(script)
     assert (out["backward"], out["forward"], out["none"]) == (
         "grad_norm",
         "forward_max_abs",
@@ -202,11 +175,6 @@ def test_pure_view_helpers():
 
 def test_a_download_joins_exact_windows_and_keeps_non_finite_values():
     """A run longer than the route's cap is downloaded in exact windows."""
-    node = shutil.which("node")
-    if node is None:
-        if _require_npm():
-            pytest.fail("NANWATCH_REQUIRE_NPM=1 but node is not on PATH")
-        pytest.skip("node is not on PATH")
     script = """
       import { joinWindows } from "./src/timeline_data.js";
       const part = (start, end, loss) => ({ run: "r", start, end, bucket: 1, total_steps: 5,
@@ -215,16 +183,7 @@ def test_a_download_joins_exact_windows_and_keeps_non_finite_values():
       console.log(JSON.stringify({ steps: whole.steps, loss: whole.columns.loss.map(String),
                                    start: whole.start, end: whole.end, bucket: whole.bucket }));
     """
-    result = subprocess.run(
-        [node, "--input-type=module", "-e", script],
-        cwd=FRONTEND,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
+    out = run_node_module(script)
     assert out == {
         "steps": [0, 1, 2, 3, 4],
         "loss": ["1", "NaN", "Infinity", "2", "3"],

@@ -5,13 +5,12 @@ keys the cause verdict reads (weights at start, dtype policy)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from nanwatch_testlib import report_json
 from test_replay import BATCH, backward_sqrt, forward_log
 
 import tb_nanwatch
@@ -20,13 +19,7 @@ from tb_nanwatch.session import WatchOptions, base_run_info
 
 
 def _report(log_dir) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "tb_nanwatch.cli", "report", str(log_dir), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    (run,) = json.loads(out.stdout)["runs"]
+    (run,) = report_json(log_dir)
     return run
 
 
@@ -134,3 +127,17 @@ def test_entries_are_named_by_the_models_inputs_and_outputs(tmp_path):
     assert "loss of output prob" in tensors
     assert not any("keras_tensor" in t or "target target" in t for t in tensors)
     assert not any("binary_crossentropy" in t for t in tensors)
+
+
+def test_a_layer_the_loss_does_not_reach_has_no_gradient_entry(tmp_path):
+    # "side" feeds nothing the loss depends on: its gradient does not exist,
+    # and must not read as a dead (zero) gradient.
+    inp = keras.Input((3,), name="features")
+    used = keras.layers.Dense(1, name="used")(inp)
+    side = keras.layers.Dense(2, name="side")(inp)
+    model = keras.Model(inp, [used, side])
+    model.compile(optimizer="sgd", loss=["mse", None])
+    watch = tb_nanwatch.NanWatch(str(tmp_path / "run"))
+    model.fit(np.ones((16, 3)), np.ones((16, 1)), batch_size=8, verbose=0, callbacks=[watch])
+    grad_out = {e.layer for e in watch.journal.schema.entries if e.kind == "grad_out"}
+    assert "used" in grad_out and "side" not in grad_out
