@@ -228,6 +228,9 @@ def main() -> int:
     args = parse_args()
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_stopped)
+    # Ctrl-C stops the demo even when it was started from a background job,
+    # which inherits SIGINT as ignored (Python then installs no handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     children = Children()
     try:
         if not args.serve_only:
