@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from nanwatch_testlib import report_json
-from test_replay import BATCH, backward_sqrt, forward_log
+from test_replay import BATCH, backward_sqrt, forward_log, loop_until_incident
 
 import tb_nanwatch
 from tb_nanwatch import replay
@@ -49,27 +49,9 @@ def test_fit_names_the_op_and_source_line_in_the_report_and_the_console(tmp_path
 
 
 def test_custom_loop_replays_with_its_loss_fn(tmp_path):
-    model, x, where, source = backward_sqrt()
-    optimizer = keras.optimizers.SGD(0.01)
     loss_fn = keras.losses.MeanSquaredError()
-    watcher = tb_nanwatch.StepWatcher(str(tmp_path / "run"), model, optimizer, loss_fn=loss_fn)
-
-    @tf.function
-    def train_step(xb, yb):
-        with tf.GradientTape() as tape, watcher.forward(tape, xb, yb) as rec:
-            pred = model(xb, training=True)
-            loss = rec.loss(loss_fn(yb, pred), y_pred=pred)
-        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        rec.after_update()
-        return loss
-
-    y = np.zeros((len(x), 1), "float32")
-    for i in range(0, len(x), BATCH):
-        train_step(x[i : i + BATCH], y[i : i + BATCH])
-        if watcher.end_step():
-            break
-    watcher.close()
+    run_dir = str(tmp_path / "run")
+    _, _, source = loop_until_incident(backward_sqrt, run_dir, loss_fn, loss_fn=loss_fn)
     op = _report(tmp_path)["first_nonfinite"]["op"]
     assert (op["type"], op["source"], op["reproduced"]) == ("SqrtGrad", source, True)
 

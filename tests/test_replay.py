@@ -146,16 +146,18 @@ def fit_until_incident(build, run_dir: str):
     return model, where, source
 
 
-def loop_until_incident(build, run_dir: str, loss_fn):
+def loop_until_incident(build, run_dir: str, step_loss, **watch_options):
+    """Trains ``build()``'s model in a custom loop until its incident; keyword
+    arguments go to the StepWatcher."""
     model, x, where, source = build()
     optimizer = keras.optimizers.SGD(0.01)
-    watcher = tb_nanwatch.StepWatcher(run_dir, model, optimizer)
+    watcher = tb_nanwatch.StepWatcher(run_dir, model, optimizer, **watch_options)
 
     @tf.function
     def train_step(x, y):
         with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
             y_pred = model(x, training=True)
-            loss = rec.loss(loss_fn(y, y_pred), y_pred=y_pred)
+            loss = rec.loss(step_loss(y, y_pred), y_pred=y_pred)
         grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=False))
         rec.after_update()
