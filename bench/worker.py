@@ -77,7 +77,12 @@ def dir_bytes(path: str) -> int:
 
 
 def parse_model(spec: str) -> dict:
-    """``mlp`` | ``conv`` | ``lstm`` | ``mlpdeep:<depth>:<width>:<batch>``."""
+    """``mlp`` | ``conv`` | ``lstm`` | ``resnet50`` | ``transformer`` |
+    ``mlpdeep:<depth>:<width>:<batch>``."""
+    if spec == "resnet50":
+        return {"kind": "resnet50", "batch": 16}
+    if spec == "transformer":
+        return {"kind": "transformer", "batch": 16}
     if spec == "mlp":
         return {"kind": "mlp", "depth": 12, "width": 256, "batch": 64}
     if spec == "conv":
@@ -90,7 +95,7 @@ def parse_model(spec: str) -> dict:
     raise ValueError(f"unknown model {spec!r}")
 
 
-def build(spec: dict):
+def build(spec: dict, jit_compile: bool = False):
     import keras
     import numpy as np
 
@@ -128,15 +133,42 @@ def build(spec: dict):
         outputs = keras.layers.Dense(10, activation="softmax", name="out")(h)
         x = rng.standard_normal((4096, 32, 32)).astype("float32")
         y = rng.integers(0, 10, 4096)
+    elif kind == "resnet50":
+        backbone = keras.applications.ResNet50(
+            weights=None, include_top=False, input_shape=(64, 64, 3), pooling="avg"
+        )
+        inputs = keras.Input((64, 64, 3), name="image")
+        outputs = keras.layers.Dense(10, activation="softmax", name="out")(backbone(inputs))
+        x = rng.standard_normal((512, 64, 64, 3)).astype("float32")
+        y = rng.integers(0, 10, 512)
+    elif kind == "transformer":
+        inputs, outputs = _transformer(keras)
+        x = rng.integers(0, 2000, (512, 64)).astype("int32")
+        y = rng.integers(0, 2000, (512, 64))
     else:
         raise ValueError(kind)
     model = keras.Model(inputs, outputs, name=kind)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss="sparse_categorical_crossentropy",
-        jit_compile=False,
+        jit_compile=jit_compile,
     )
     return model, x, y
+
+
+def _transformer(keras, vocab: int = 2000, width: int = 128, blocks: int = 4, seq: int = 64):
+    """A small post-norm transformer encoder LM: Embedding, 4 x [MHA(4 heads) +
+    LayerNorm + Dense 512 gelu + Dense 128 + LayerNorm], Dense(vocab) head."""
+    inputs = keras.Input((seq,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(vocab, width, name="embed")(inputs)
+    for i in range(blocks):
+        a = keras.layers.MultiHeadAttention(4, width // 4, name=f"block{i}_attn")(h, h)
+        h = keras.layers.LayerNormalization(name=f"block{i}_norm1")(h + a)
+        f = keras.layers.Dense(4 * width, activation="gelu", name=f"block{i}_ffn1")(h)
+        f = keras.layers.Dense(width, name=f"block{i}_ffn2")(f)
+        h = keras.layers.LayerNormalization(name=f"block{i}_norm2")(h + f)
+    outputs = keras.layers.Dense(vocab, activation="softmax", name="out")(h)
+    return inputs, outputs
 
 
 # -- timing ----------------------------------------------------------------------
@@ -254,11 +286,10 @@ def apply_patches(patches: list[str]) -> None:
         if patch == "before":  # another copy of the package (NWBENCH_BEFORE_PATH)
             sys.path.insert(0, os.environ["NWBENCH_BEFORE_PATH"])
             sys.modules.pop("tb_nanwatch", None)
-        elif patch == "nocounts":  # in-graph nan/inf counts replaced by constants
+        elif patch == "nocounts":  # weights' nan/inf counts after the update replaced by 0
             from tb_nanwatch import step_stats
 
-            step_stats.count_nan = lambda t: tf.constant(0.0)
-            step_stats.count_inf = lambda t: tf.constant(0.0)
+            step_stats.value_fields = lambda t: {"nan": tf.constant(0.0), "inf": tf.constant(0.0)}
         elif patch in ("notensorstats", "nogradstats", "noweightcounts"):
             from tb_nanwatch import step_stats
 
@@ -270,8 +301,7 @@ def apply_patches(patches: list[str]) -> None:
             elif patch == "nogradstats":
                 step_stats.gradient_fields = lambda gs: {k: zero() for k in ("nan", "inf", "norm")}
             else:
-                step_stats.count_nan = lambda t: zero()
-                step_stats.count_inf = lambda t: zero()
+                step_stats.value_fields = lambda t: {"nan": zero(), "inf": zero()}
         elif patch == "nohost":  # no host-side work after the step (no fetch, no journal)
             from tb_nanwatch import callback
 

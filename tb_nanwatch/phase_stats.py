@@ -206,8 +206,7 @@ class PhaseStatistics:
         """Each variable after the optimizer's update."""
         owners = self.taps.variable_owners()
         for v in weights:
-            value = tf.convert_to_tensor(v)
-            fields = {"nan": step_stats.count_nan(value), "inf": step_stats.count_inf(value)}
+            fields = step_stats.value_fields(tf.convert_to_tensor(v))
             builder.add(
                 "update", "weights", owners.get(id(v)), f"{v.path} after the update", fields
             )
@@ -281,6 +280,9 @@ def readers_first(tensors: list) -> None:
         seen.add(id(t))
         consumers = t.consumers()
         readers = [op for op in consumers if is_ours(op) and op.type in _READER_OPS]
+        # A Switch that holds the tensor runs after its trigger, which is
+        # computed from every other reader: waiting for it is enough.
+        readers = [op for op in readers if op.type == "Switch"] or readers
         if not readers:
             continue
         for op in consumers:

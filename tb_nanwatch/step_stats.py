@@ -10,13 +10,12 @@ summed squares.
 Cost: on a CPU every small op costs microseconds of executor time, so the
 statistics are built from as few ops as possible, each one full pass at most:
 
-* Exact NaN and Inf *counts* (``is_nan``/``is_inf``, a cast and a sum per
-  tensor, twice) are computed lazily. Each count remembers its source tensors
-  and a *trigger*: one float32 scalar that is non-finite whenever a source
-  holds a NaN or an Inf. :meth:`StatsBuilder.vector` checks all triggers at
-  once and computes the exact counts, in one ``tf.cond`` branch, only when one
-  of them is non-finite; otherwise every count is exactly 0. The vector is
-  bit-for-bit what the eager counts would give.
+* Exact NaN and Inf *counts* are lazy (:mod:`tb_nanwatch.lazy_counts`): each
+  is a source list and a *trigger*, one float32 scalar that is non-finite
+  whenever a source holds a NaN or an Inf. :meth:`StatsBuilder.vector` checks
+  all triggers at once and computes the exact counts, in one ``tf.cond``
+  branch, only when one of them is non-finite; otherwise every count is
+  exactly 0. The vector is bit-for-bit what the eager counts would give.
 * The trigger is a value the entry computes anyway where possible: ``min +
   max`` of an activation (where this device's min/max propagate NaN, probed
   once; not under XLA, whose min/max may drop a NaN), the sum of squares of a
@@ -30,10 +29,12 @@ statistics are built from as few ops as possible, each one full pass at most:
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.ops import control_flow_util
 
+from tb_nanwatch import lazy_counts
+from tb_nanwatch.lazy_counts import LazyCount
 from tb_nanwatch.schema import Schema
 
 # How each field reduces across replicas.
@@ -60,12 +61,6 @@ def _f32(t) -> tf.Tensor:
     return tf.cast(t, tf.float32)
 
 
-# A count tensor built here carries (kind, sources, trigger) under this
-# attribute, so that StatsBuilder can replace it by its lazy form.
-_LAZY_ATTR = "_nanwatch_lazy_count"
-_TRIGGER_ATTR = "_nanwatch_trigger"
-
-
 def rare_cond(pred: tf.Tensor, true_fn, false_fn):
     """``tf.cond`` for a branch that almost never runs.
 
@@ -76,33 +71,13 @@ def rare_cond(pred: tf.Tensor, true_fn, false_fn):
     runs (one function call).
     """
     out = tf.cond(pred, true_fn, false_fn)
-    if not _in_xla():
+    if not lazy_counts.in_xla():
         op = tf.nest.flatten(out)[0].op
         while op.type not in ("If", "StatelessIf") and op.inputs:
             op = op.inputs[0].op
         if op.type in ("If", "StatelessIf"):
             op._set_attr("_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
     return out
-
-
-def _exact_nan(t: tf.Tensor) -> tf.Tensor:
-    if not t.dtype.is_floating:
-        return tf.constant(0.0)
-    return tf.reduce_sum(_f32(tf.math.is_nan(t)))
-
-
-def _exact_inf(t: tf.Tensor) -> tf.Tensor:
-    if not t.dtype.is_floating:
-        return tf.constant(0.0)
-    return tf.reduce_sum(_f32(tf.math.is_inf(t)))
-
-
-_EXACT = {"nan": _exact_nan, "inf": _exact_inf}
-
-
-def _exact_count(kind: str, sources: tuple) -> tf.Tensor:
-    counts = [_EXACT[kind](t) for t in sources]
-    return counts[0] if len(counts) == 1 else tf.add_n(counts)
 
 
 _MINMAX_PROPAGATES_NAN: bool | None = None
@@ -132,85 +107,37 @@ def replicas_in_sync() -> int:
     return ctx.num_replicas_in_sync if ctx is not None else 1
 
 
-def _in_xla() -> bool:
-    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-
-
 def exact_nonfinite_count(fields: dict) -> tf.Tensor:
     """The exact NaN + Inf count of an entry's fields, built afresh here
     (call it inside a ``tf.cond`` branch to pay for it only in that branch)."""
-    counts = []
-    for kind in ("nan", "inf"):
-        lazy = getattr(fields[kind], _LAZY_ATTR, None)
-        counts.append(_exact_count(kind, lazy[1]) if lazy is not None else fields[kind])
+    counts = [exact(fields[kind]) for kind in ("nan", "inf")]
     return counts[0] + counts[1]
 
 
-def _trigger(t: tf.Tensor) -> tf.Tensor:
-    """A float32 scalar that is non-finite whenever ``t`` holds a NaN or Inf."""
-    cached = getattr(t, _TRIGGER_ATTR, None)
-    if cached is not None:
-        return cached
-    trigger = tf.reduce_sum(_f32(t)) if t.dtype.is_floating else tf.constant(0.0)
-    try:
-        setattr(t, _TRIGGER_ATTR, trigger)
-    except AttributeError:
-        pass
-    return trigger
-
-
-def _tag(count: tf.Tensor, kind: str, sources, trigger: tf.Tensor) -> tf.Tensor:
-    try:
-        setattr(count, _LAZY_ATTR, (kind, tuple(sources), trigger))
-    except AttributeError:  # a tensor type that takes no attributes: stays eager
-        pass
-    return count
+def exact(count) -> tf.Tensor:
+    """A count field as a tensor: a :class:`LazyCount` built now, else as is."""
+    return count.exact() if isinstance(count, LazyCount) else count
 
 
 def count_nan(t: tf.Tensor) -> tf.Tensor:
-    """Number of NaN elements of ``t`` (float32); computed lazily in a builder."""
-    if not t.dtype.is_floating:
-        return tf.constant(0.0)
-    return _tag(_exact_nan(t), "nan", [t], _trigger(t))
+    """Number of NaN elements of ``t`` (float32), as plain ops."""
+    return lazy_counts.exact_count("nan", t)
 
 
 def count_inf(t: tf.Tensor) -> tf.Tensor:
-    """Number of +-Inf elements of ``t`` (float32); computed lazily in a builder."""
+    """Number of +-Inf elements of ``t`` (float32), as plain ops."""
+    return lazy_counts.exact_count("inf", t)
+
+
+def value_fields(t: tf.Tensor) -> dict:
+    """Lazy nan/inf counts of ``t`` (a weight after the update), on its sum."""
     if not t.dtype.is_floating:
-        return tf.constant(0.0)
-    return _tag(_exact_inf(t), "inf", [t], _trigger(t))
+        zero = tf.constant(0.0)
+        return {"nan": zero, "inf": zero}
+    return lazy_counts.counts_of([t], lazy_counts.trigger(t))
 
 
 _HALF_SUMSQ_ATTR = "_nanwatch_half_sum_squares"
-
-
-# 64 KiB of float32; see held_if_non_finite.
-HOLD_MIN_ELEMENTS = 16384
-
-
-def held_if_non_finite(t: tf.Tensor, trigger: tf.Tensor) -> tf.Tensor:
-    """``t`` itself when ``trigger`` is non-finite, else an empty tensor.
-
-    The lazy exact counts run in one ``tf.cond`` at the end of the step. Had
-    that cond taken ``t`` as an input, ``t``'s buffer would live until then:
-    every watched activation and gradient at once, where the step alone frees
-    each as soon as the backward pass is done with it (more peak memory), and
-    the step's own ops that write into their input's buffer when they are its
-    last user (``ReluGrad`` into the incoming gradient, the optimizer's ``Sub``
-    into a weight's gradient) would each allocate a fresh one. A ``Switch`` on
-    the tensor's own trigger, run as soon as the trigger is known, lets go of
-    the buffer on a healthy step. Eagerly, under XLA (which plans buffers itself) and
-    for a tensor smaller than ``HOLD_MIN_ELEMENTS`` (holding it costs less
-    than the four small ops that would let it go), ``t`` is returned.
-    """
-    size = t.shape.num_elements()
-    if tf.executing_eagerly() or _in_xla() or (size is not None and size < HOLD_MIN_ELEMENTS):
-        return t
-    finite = tf.math.is_finite(trigger)
-    when_nonfinite, _ = tf.raw_ops.Switch(data=t, pred=finite)
-    _, when_finite = tf.raw_ops.Switch(data=tf.zeros([0], t.dtype), pred=finite)
-    held, _ = tf.raw_ops.Merge(inputs=[when_nonfinite, when_finite])
-    return held
 
 
 def half_sum_squares(t) -> tf.Tensor:
@@ -236,7 +163,11 @@ def sum_squares(t) -> tf.Tensor:
 
 def _low_high(t: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     # min and max are exact in any dtype: reduce first, cast the scalars.
-    return _f32(tf.reduce_min(t)), _f32(tf.reduce_max(t))
+    rank = t.shape.rank
+    if rank is None:
+        return _f32(tf.reduce_min(t)), _f32(tf.reduce_max(t))
+    axes = lazy_counts.graph_constant(np.arange(rank, dtype=np.int32))
+    return _f32(tf.raw_ops.Min(input=t, axis=axes)), _f32(tf.raw_ops.Max(input=t, axis=axes))
 
 
 def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
@@ -251,20 +182,14 @@ def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
     if not floating:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero, "min": low, "max": high}
-    if len(floating) == len(tensors) and not _in_xla() and minmax_propagates_nan():
+    if len(floating) == len(tensors) and not lazy_counts.in_xla() and minmax_propagates_nan():
         # NaN anywhere makes min or max NaN, and an Inf makes it infinite, so
         # min + max is non-finite exactly when a count can be non-zero.
         trigger = low + high
     else:
-        triggers = [_trigger(t) for t in floating]
+        triggers = [lazy_counts.trigger(t) for t in floating]
         trigger = triggers[0] if len(triggers) == 1 else tf.add_n(triggers)
-    held = [held_if_non_finite(t, trigger) for t in floating]
-    return {
-        "nan": _tag(_exact_count("nan", floating), "nan", held, trigger),
-        "inf": _tag(_exact_count("inf", floating), "inf", held, trigger),
-        "min": low,
-        "max": high,
-    }
+    return {**lazy_counts.counts_of(floating, trigger), "min": low, "max": high}
 
 
 def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
@@ -280,10 +205,10 @@ def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
     # The sum of squares is NaN or Inf whenever a gradient holds one: it is
     # the trigger of the lazy counts, at no extra cost.
     norm = squares[0] if len(squares) == 1 else tf.add_n(squares)
-    held = [held_if_non_finite(g, s) for g, s in zip(grads, squares, strict=True)]
+    held = tuple(lazy_counts.held_if_non_finite(g, s) for g, s in zip(grads, squares, strict=True))
     return {
-        "nan": _tag(_exact_count("nan", grads), "nan", held, norm),
-        "inf": _tag(_exact_count("inf", grads), "inf", held, norm),
+        "nan": LazyCount("nan", held, norm),
+        "inf": LazyCount("inf", held, norm),
         "norm": norm,
     }
 
@@ -300,9 +225,9 @@ class StatsBuilder:
         # the "sum" group: used for the per-replica view of where it went non-finite.
         self._count_slots: list[tuple[int, int]] = []
         self.replica_first_nonfinite: tf.Tensor | None = None
-        # The "sum" group (NaN/Inf counts), one spec a slot: ("tensor", t) or
-        # ("lazy", kind, sources, trigger); ``_sum_vector`` turns them into values.
-        self._sum_specs: list[tuple] = []
+        # The "sum" group (NaN/Inf counts), one a slot: a float32 tensor or a
+        # LazyCount; ``_sum_vector`` turns them into values.
+        self._sum_specs: list = []
 
     def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields: dict) -> None:
         entry = self.schema.add(phase, kind, layer, tensor)
@@ -314,8 +239,7 @@ class StatsBuilder:
             self._layout.append((group, slots[name]))
             value = fields[name]
             if group == "sum":
-                lazy = getattr(value, _LAZY_ATTR, None)
-                self._sum_specs.append(("lazy", *lazy) if lazy else ("tensor", _f32(value)))
+                self._sum_specs.append(value if isinstance(value, LazyCount) else _f32(value))
             else:
                 self._partials[group].append(_f32(value))
         if kind != "header":
@@ -341,13 +265,13 @@ class StatsBuilder:
         False guarantees every NaN/Inf count so far is 0; True is almost
         always a real NaN/Inf (or a finite tensor whose sum overflows).
         """
-        triggers = _unique([s[3] for s in self._sum_specs if s[0] == "lazy"])
+        triggers = _unique([s.trigger for s in self._sum_specs if isinstance(s, LazyCount)])
         checks = (
             [tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))]
             if triggers
             else []
         )
-        eager = [s[1] for s in self._sum_specs if s[0] == "tensor"]
+        eager = [s for s in self._sum_specs if not isinstance(s, LazyCount)]
         if eager:
             checks.append(tf.add_n(eager) > 0)
         if not checks:
@@ -359,15 +283,15 @@ class StatsBuilder:
         specs = self._sum_specs
         if not specs:
             return tf.zeros([0], tf.float32)
-        eager = [i for i, s in enumerate(specs) if s[0] == "tensor"]
-        lazy = [i for i, s in enumerate(specs) if s[0] == "lazy"]
+        eager = [i for i, s in enumerate(specs) if not isinstance(s, LazyCount)]
+        lazy = [i for i, s in enumerate(specs) if isinstance(s, LazyCount)]
         if not lazy:
-            return tf.stack([specs[i][1] for i in eager])
-        triggers = _unique([specs[i][3] for i in lazy])
+            return tf.stack([specs[i] for i in eager])
+        triggers = _unique([specs[i].trigger for i in lazy])
         maybe_nonfinite = tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))
 
         def exact() -> tf.Tensor:
-            return tf.stack([_exact_count(specs[i][1], specs[i][2]) for i in lazy])
+            return lazy_counts.exact_counts([specs[i] for i in lazy])
 
         def clean() -> tf.Tensor:
             return tf.zeros([len(lazy)], tf.float32)
@@ -375,7 +299,7 @@ class StatsBuilder:
         lazy_values = rare_cond(maybe_nonfinite, exact, clean)
         if not eager:
             return lazy_values
-        parts = tf.concat([tf.stack([specs[i][1] for i in eager]), lazy_values], 0)
+        parts = tf.concat([tf.stack([specs[i] for i in eager]), lazy_values], 0)
         where = {i: k for k, i in enumerate(eager + lazy)}
         return tf.gather(parts, tf.constant([where[i] for i in range(len(specs))], tf.int32))
 

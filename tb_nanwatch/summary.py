@@ -70,7 +70,7 @@ def logit_extremes(name: str, logits, step=None) -> tuple[tf.Tensor, tf.Tensor]:
     fields = step_stats.tensor_fields(tensors)
     low, high = fields["min"], fields["max"]
     # reduce_min/max skip NaN on some kernels: make a NaN visible.
-    poisoned = fields["nan"] > 0
+    poisoned = step_stats.exact(fields["nan"]) > 0
     nan = tf.constant(float("nan"))
     low = tf.where(poisoned, nan, low)
     high = tf.where(poisoned, nan, high)

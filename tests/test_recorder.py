@@ -154,13 +154,13 @@ def test_our_readers_run_before_the_steps_own_consumers():
 
 
 def test_held_if_non_finite_lets_go_of_a_healthy_tensor():
-    from tb_nanwatch import step_stats
+    from tb_nanwatch import lazy_counts
 
     @tf.function
     def held(x):
-        return step_stats.held_if_non_finite(x, tf.reduce_sum(x))
+        return lazy_counts.held_if_non_finite(x, tf.reduce_sum(x))
 
-    size = step_stats.HOLD_MIN_ELEMENTS
+    size = lazy_counts.HOLD_MIN_ELEMENTS
     assert held(tf.ones([size])).shape == (0,)
     bad = np.ones(size, np.float32)
     bad[[3, 7]] = [np.nan, np.inf]
@@ -173,9 +173,9 @@ def test_held_if_non_finite_lets_go_of_a_healthy_tensor():
 def test_same_diagnosis_when_every_tensor_is_let_go_of(build, tmp_path, monkeypatch):
     # These scenarios' tensors are small, so by default the counts read them
     # directly; here every one goes through held_if_non_finite.
-    from tb_nanwatch import step_stats
+    from tb_nanwatch import lazy_counts
 
-    monkeypatch.setattr(step_stats, "HOLD_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 0)
     _, watch, truth, _ = fit(build, tmp_path)
     assert origin(watch.incident) == truth
 
@@ -187,10 +187,10 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
     from tb_nanwatch import phase_stats
 
     keras.utils.set_random_seed(0)
-    from tb_nanwatch import step_stats
+    from tb_nanwatch import lazy_counts
 
     # Tensors large enough to be let go of (see HOLD_MIN_ELEMENTS), and a few small ones.
-    width = step_stats.HOLD_MIN_ELEMENTS // 8
+    width = lazy_counts.HOLD_MIN_ELEMENTS // 8
     model = keras.Sequential(
         [
             keras.Input((8,)),
@@ -229,7 +229,7 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
         t.op.type
         for t in inputs
         if not phase_stats.is_ours(t.op)
-        and not (t.shape.num_elements() or 0) < step_stats.HOLD_MIN_ELEMENTS
+        and not (t.shape.num_elements() or 0) < lazy_counts.HOLD_MIN_ELEMENTS
     }
     assert fed <= {"Placeholder"}, fed
     assert sum(t.op.type == "Merge" for t in inputs) >= 4  # the large ones, let go of

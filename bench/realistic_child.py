@@ -1,0 +1,167 @@
+"""One measurement of ``bench/realistic.py``: one model, one variant, one process.
+
+    python bench/realistic_child.py transformer nanwatch --steps 40 [--jit]
+
+Prints ``RESULT {json}`` as its last line (see ``realistic.py`` for the fields).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+
+def vm_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+class FloorRecorder:
+    """Stands in for NanWatch's recorder in its instrumented Keras step: the
+    same watched tensors, but only one bare ``reduce_sum`` of each, handed to
+    the host once a step (``train_step.instrument`` routes the row here)."""
+
+    steps_per_execution = 1
+
+    def __init__(self, model) -> None:
+        from tb_nanwatch.recorder import StepRecorder
+        from tb_nanwatch.taps import LayerTaps
+
+        self.model = model
+        self.taps = LayerTaps(model)
+        self.watched_tensors = StepRecorder.watched_tensors
+        self.device = self
+        self.tensors_read = 0
+
+    def guarded(self, method, *args):
+        return method(*args)
+
+    def before_update(self, inputs):
+        import tensorflow as tf
+
+        outputs = [t for call in inputs.trace.calls for t in call.outputs]
+        grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in inputs.grads]
+        read = {id(t): t for t in outputs + [g for g in grads if g is not None]}
+        return [tf.reduce_sum(t) for t in read.values()]
+
+    def after_update(self, sums, weights):
+        import tensorflow as tf
+
+        sums = sums + [tf.reduce_sum(v) for v in weights]
+        self.tensors_read = len(sums)
+        return tf.cast(tf.stack(sums), tf.float32)
+
+    def hand_over(self, row) -> None:
+        row.numpy()
+
+
+class Probe:
+    """Times the batches, and the allocator's peak above resident per step."""
+
+    def __init__(self, keras, tf, warmup: int) -> None:
+        self.tf, self.warmup = tf, warmup
+        self.ends: list[float] = []
+        self.peaks: list[int] = []
+        gpus = tf.config.list_logical_devices("GPU")
+        self.device = "GPU:0" if gpus else "CPU:0"
+        self.callback = keras.callbacks.LambdaCallback(
+            on_train_batch_begin=self.begin, on_train_batch_end=self.end
+        )
+        self._before = 0
+
+    def begin(self, batch, logs=None) -> None:
+        if len(self.ends) >= self.warmup:
+            try:
+                self.tf.config.experimental.reset_memory_stats(self.device)
+                self._before = self.tf.config.experimental.get_memory_info(self.device)["current"]
+            except (ValueError, RuntimeError):
+                self._before = None
+
+    def end(self, batch, logs=None) -> None:
+        self.ends.append(time.perf_counter())
+        if len(self.ends) > self.warmup and self._before is not None:
+            peak = self.tf.config.experimental.get_memory_info(self.device)["peak"]
+            self.peaks.append(peak - self._before)
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("variant", choices=["plain", "floor", "nanwatch", "nanwatch_before"])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--jit", action="store_true")
+    args = parser.parse_args()
+
+    import keras
+    import tensorflow as tf
+    import worker
+
+    keras.utils.set_random_seed(0)
+    spec = worker.parse_model(args.model)
+    model, x, y = worker.build(spec, jit_compile=args.jit)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(spec["batch"], drop_remainder=True)
+    data = data.repeat().prefetch(2)
+    probe = Probe(keras, tf, args.warmup)
+    callbacks, log_dir, floor = [], None, None
+    if args.variant.startswith("nanwatch"):
+        import tb_nanwatch
+
+        log_dir = tempfile.mkdtemp(prefix="nwreal-")
+        callbacks.append(tb_nanwatch.NanWatch(log_dir))
+    started = time.perf_counter()
+    if args.variant == "floor":
+        from tb_nanwatch import train_step
+
+        floor = FloorRecorder(model)
+        floor.taps.install()
+        train_step.instrument(model, floor)
+    steps = args.warmup + args.steps + 1
+    model.fit(
+        data, epochs=1, steps_per_epoch=steps, callbacks=callbacks + [probe.callback], verbose=0
+    )
+    gaps = np.diff(probe.ends)[args.warmup :]
+    result = {
+        "model": args.model,
+        "variant": args.variant,
+        "jit": args.jit,
+        "xla": bool(getattr(model, "jit_compile", False)),
+        "ttfs_s": probe.ends[0] - started,
+        "step_ms": float(np.median(gaps) * 1e3),
+        "peak_rss_mb": vm_kib("VmHWM") / 1024,
+        "device_peak_mb": min(probe.peaks) / 2**20 if probe.peaks else None,
+        "device": probe.device,
+        "params": int(model.count_params()),
+    }
+    if log_dir is not None:
+        watch = callbacks[0]
+        recorded = watch.journal.steps if watch.journal else 0
+        result["event_bytes_per_step"] = dir_bytes(log_dir) / max(recorded, 1)
+        result["incident"] = watch.incident
+        recorder = getattr(watch, "_recorder", None)
+        if recorder is not None and recorder.schema is not None:
+            result["watched_tensors"] = len(recorder.schema.entries)
+    if floor is not None:
+        result["watched_tensors"] = floor.tensors_read
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""NaN and Inf counts that cost nothing on a healthy step.
+
+An exact count needs a full pass over its tensor (``is_nan``, a cast, a sum)
+and, at trace time, three ops per tensor and kind. A healthy step needs
+neither: every count is 0 there. So a count is a :class:`LazyCount`, a
+promise rather than ops: its source tensors and a *trigger*, one float32
+scalar the entry computes anyway that is non-finite whenever a source holds a
+NaN or an Inf. :meth:`~tb_nanwatch.step_stats.StatsBuilder.vector` checks
+every trigger at once and computes all the counts, with :func:`exact_counts`,
+in one rarely taken ``tf.cond`` branch.
+
+:func:`exact_counts` builds that branch from a handful of ops whatever the
+number of tensors (outside XLA): each source is flattened, the sources of one
+dtype are concatenated, and the counts of every source come from one
+cumulative sum, read at the sources' boundaries. On the rare step that takes
+the branch only the held sources (see :func:`held_if_non_finite`) are
+non-empty, so the concatenation copies just the tensors that went non-finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+# 64 KiB of float32; see held_if_non_finite.
+HOLD_MIN_ELEMENTS = 16384
+_TRIGGER_ATTR = "_nanwatch_trigger"
+_FINITE_ATTR = "_nanwatch_trigger_is_finite"
+_HELD_ATTR = "_nanwatch_held"
+_EMPTY_ATTR = "_nanwatch_empty_when_finite"
+_GRAPH_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LazyCount:
+    """The NaN (``kind="nan"``) or Inf count of ``sources``, computed only
+    when ``trigger`` is non-finite (and known to be 0 otherwise)."""
+
+    kind: str
+    sources: tuple
+    trigger: tf.Tensor
+
+    def exact(self) -> tf.Tensor:
+        """The count built as plain ops, now (float32 scalar)."""
+        counts = [exact_count(self.kind, t) for t in self.sources]
+        return counts[0] if len(counts) == 1 else tf.add_n(counts)
+
+
+def in_xla() -> bool:
+    """Whether the graph being built is compiled by XLA."""
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def exact_count(kind: str, t: tf.Tensor) -> tf.Tensor:
+    """Number of NaN (``kind="nan"``) or +-Inf elements of ``t``, float32."""
+    if not t.dtype.is_floating:
+        return tf.constant(0.0)
+    flags = tf.math.is_nan(t) if kind == "nan" else tf.math.is_inf(t)
+    return tf.reduce_sum(tf.cast(flags, tf.float32))
+
+
+def trigger(t: tf.Tensor) -> tf.Tensor:
+    """A float32 scalar that is non-finite whenever ``t`` holds a NaN or Inf
+    (its sum; cached on the tensor)."""
+    cached = getattr(t, _TRIGGER_ATTR, None)
+    if cached is not None:
+        return cached
+    value = tf.reduce_sum(tf.cast(t, tf.float32)) if t.dtype.is_floating else tf.constant(0.0)
+    try:
+        setattr(t, _TRIGGER_ATTR, value)
+    except AttributeError:
+        pass
+    return value
+
+
+def counts_of(sources: list, trigger_value: tf.Tensor) -> dict[str, LazyCount]:
+    """``{"nan": ..., "inf": ...}`` for ``sources``, held until the trigger is known."""
+    held = tuple(held_if_non_finite(t, trigger_value) for t in sources)
+    return {kind: LazyCount(kind, held, trigger_value) for kind in ("nan", "inf")}
+
+
+def _is_finite(trigger_value: tf.Tensor) -> tf.Tensor:
+    cached = getattr(trigger_value, _FINITE_ATTR, None)
+    if cached is None:
+        cached = tf.math.is_finite(trigger_value)
+        try:
+            setattr(trigger_value, _FINITE_ATTR, cached)
+        except AttributeError:
+            pass
+    return cached
+
+
+def held_if_non_finite(t: tf.Tensor, trigger_value: tf.Tensor) -> tf.Tensor:
+    """``t`` itself when ``trigger_value`` is non-finite, else an empty tensor.
+
+    The exact counts run in one ``tf.cond`` at the end of the step. Had that
+    cond taken ``t`` as an input, ``t``'s buffer would live until then: every
+    watched activation and gradient at once, where the step alone frees each
+    as soon as the backward pass is done with it (more peak memory), and the
+    step's own ops that write into their input's buffer when they are its
+    last user (``ReluGrad`` into the incoming gradient, the optimizer's
+    ``Sub`` into a weight's gradient) would each allocate a fresh one. A
+    ``Switch`` on the tensor's own trigger, run as soon as the trigger is
+    known, lets go of the buffer on a healthy step. Eagerly, under XLA (which
+    plans buffers itself) and for a tensor smaller than ``HOLD_MIN_ELEMENTS``
+    (holding it costs less than the ops that would let it go), ``t`` is
+    returned.
+    """
+    size = t.shape.num_elements()
+    if tf.executing_eagerly() or in_xla() or (size is not None and size < HOLD_MIN_ELEMENTS):
+        return t
+    # The same tensor is often watched twice on the same trigger (a layer's
+    # input gradient is the previous layer's output gradient): hold it once.
+    held_by_trigger = _cache(t, _HELD_ATTR)
+    if id(trigger_value) in held_by_trigger:
+        return held_by_trigger[id(trigger_value)]
+    finite = _is_finite(trigger_value)
+    when_nonfinite, _ = tf.raw_ops.Switch(data=t, pred=finite)
+    held, _ = tf.raw_ops.Merge(inputs=[when_nonfinite, _empty_when_finite(trigger_value, t.dtype)])
+    held_by_trigger[id(trigger_value)] = held
+    return held
+
+
+def _empty_when_finite(trigger_value: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """An empty tensor of ``dtype``, alive exactly when ``trigger_value`` is
+    finite (shared by every tensor held on that trigger)."""
+    by_dtype = _cache(trigger_value, _EMPTY_ATTR)
+    if dtype not in by_dtype:
+        _, by_dtype[dtype] = tf.raw_ops.Switch(
+            data=graph_constant(np.zeros([0], dtype.as_numpy_dtype)),
+            pred=_is_finite(trigger_value),
+        )
+    return by_dtype[dtype]
+
+
+def graph_constant(value: np.ndarray) -> tf.Tensor:
+    """``tf.constant(value)``, made once per graph (every small op made at
+    trace time costs Python time and a node for the graph optimizer)."""
+    graph = tf.compat.v1.get_default_graph()
+    key = (value.dtype.str, value.shape, value.tobytes())
+    constants = _GRAPH_CONSTANTS.setdefault(graph, {})
+    if key not in constants:
+        constants[key] = tf.constant(value)
+    return constants[key]
+
+
+def _cache(t: tf.Tensor, attr: str) -> dict:
+    """A dict stored on ``t`` (a fresh, unstored one if ``t`` takes no attributes)."""
+    cache = getattr(t, attr, None)
+    if cache is None:
+        cache = {}
+        try:
+            setattr(t, attr, cache)
+        except AttributeError:
+            pass
+    return cache
+
+
+def exact_counts(counts: list[LazyCount]) -> tf.Tensor:
+    """Every count of ``counts`` as one float32 vector, in order.
+
+    Under XLA (every size static, and each per-tensor count fuses into one
+    reduction that needs no buffer) one reduction per tensor and kind;
+    otherwise a few ops for all of them (see the module docstring).
+    """
+    if in_xla():
+        return tf.stack([c.exact() for c in counts])
+    sources: dict[int, tf.Tensor] = {}
+    for c in counts:
+        for t in c.sources:
+            if t.dtype.is_floating:
+                sources.setdefault(id(t), t)
+    order = {key: i for i, key in enumerate(sources)}
+    per_source = _per_source_counts(list(sources.values()))  # [2, n]: nan row, inf row
+    flat = tf.reshape(per_source, [-1])
+    kinds = {"nan": 0, "inf": len(order)}
+    picks, owners = [], []
+    for index, c in enumerate(counts):
+        for t in c.sources:
+            if id(t) in order:
+                picks.append(kinds[c.kind] + order[id(t)])
+                owners.append(index)
+    if not picks:
+        return tf.zeros([len(counts)], tf.float32)
+    picked = tf.gather(flat, tf.constant(picks, tf.int32))
+    return tf.math.unsorted_segment_sum(picked, tf.constant(owners, tf.int32), len(counts))
+
+
+def _per_source_counts(sources: list[tf.Tensor]) -> tf.Tensor:
+    """[2, len(sources)] float32: the NaN and the Inf count of each source."""
+    if not sources:
+        return tf.zeros([2, 0], tf.float32)
+    by_dtype: dict[tf.DType, list[int]] = {}
+    for i, t in enumerate(sources):
+        by_dtype.setdefault(t.dtype.base_dtype, []).append(i)
+    flat_shape = tf.constant([-1], tf.int32)
+    parts, positions = [], []
+    for indices in by_dtype.values():
+        members = [sources[i] for i in indices]
+        parts.append(_group_counts(members, flat_shape))
+        positions.extend(indices)
+    counts = tf.concat(parts, 1) if len(parts) > 1 else parts[0]
+    if positions == sorted(positions):
+        return counts
+    inverse = [positions.index(i) for i in range(len(sources))]
+    return tf.gather(counts, tf.constant(inverse, tf.int32), axis=1)
+
+
+def _group_counts(tensors: list[tf.Tensor], flat_shape: tf.Tensor) -> tf.Tensor:
+    """[2, len(tensors)] for tensors of one dtype: one cumulative sum over
+    their concatenation, read at each tensor's end and start."""
+    flats = [tf.reshape(t, flat_shape) for t in tensors]
+    sizes = tf.stack([tf.size(f, out_type=tf.int32) for f in flats])
+    values = tf.concat(flats, 0) if len(flats) > 1 else flats[0]
+    flags = tf.stack([tf.math.is_nan(values), tf.math.is_inf(values)])
+    running = tf.pad(tf.cumsum(tf.cast(flags, tf.int32), axis=1), [[0, 0], [1, 0]])
+    ends = tf.cumsum(sizes)
+    at_end = tf.gather(running, ends, axis=1)
+    at_start = tf.gather(running, ends - sizes, axis=1)
+    return tf.cast(at_end - at_start, tf.float32)
