@@ -54,6 +54,14 @@ class DeviceRecord:
         self.watched_weights: list | None = None  # the variables of the weight copies
         self._last_seq = 0
         self._handed_row: tf.Tensor | None = None
+        # The graph being traced when the variables were created (None
+        # until then, or when they were created eagerly).
+        self.created_in_graph = None
+
+    @property
+    def row_width(self) -> int:
+        """Width of one buffer row (0 before the buffer exists)."""
+        return int(self._buffer.shape[1]) if self._buffer is not None else 0
 
     # -- in the compiled step ------------------------------------------------------
 
@@ -78,6 +86,8 @@ class DeviceRecord:
                         "create a new NanWatch for the new model"
                     )
                 return batch
+            if not tf.executing_eagerly():
+                self.created_in_graph = tf.compat.v1.get_default_graph()
             with tf.init_scope():
                 self._create(width, batch, weights)
                 self._replicas = replicas

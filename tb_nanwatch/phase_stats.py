@@ -14,6 +14,7 @@ after our readers of it (see there why).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 
@@ -100,10 +101,17 @@ class PhaseStatistics:
         # read (filled when the step is traced).
         self.not_watched_inputs: list[str] = []
 
-    def before_update(self, inputs: StepInputs) -> step_stats.StatsBuilder:
-        """The header, input, forward, loss and backward entries of one step."""
-        builder = step_stats.StatsBuilder()
-        grad_fields = [step_stats.gradient_fields([g]) for g in inputs.weight_grads]
+    def before_update(self, inputs: StepInputs, builder=None) -> step_stats.StatsBuilder:
+        """The header, input, forward, loss and backward entries of one step.
+
+        Each entry's fields are given to ``builder`` as a function: a
+        :class:`~tb_nanwatch.step_stats.SchemaOnlyBuilder` never calls it.
+        """
+        builder = builder if builder is not None else step_stats.StatsBuilder()
+        if builder.records_values:
+            grad_fields = [step_stats.gradient_fields([g]) for g in inputs.weight_grads]
+        else:
+            grad_fields = [{} for _ in inputs.weight_grads]
         self.header(builder, inputs, grad_fields)
         self.input(builder, inputs)
         self.forward(builder, inputs)
@@ -113,25 +121,7 @@ class PhaseStatistics:
 
     def header(self, builder, inputs: StepInputs, grad_fields: list[dict]) -> None:
         """Loss, gradient norm (unscaled), learning rate, loss scale, skipped, iterations."""
-        optimizer = inputs.optimizer
-        is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        if is_lso:
-            scale = optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale
-            scale = tf.cast(scale, tf.float32)
-        else:
-            scale = tf.constant(1.0)
-        grad_sumsq = tf.add_n([f["norm"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
-        skipped = _skipped_by_loss_scaler(grad_fields, grad_sumsq) if is_lso else tf.constant(0.0)
-        lr = optimizer.learning_rate if optimizer is not None else 0.0
-        iterations = optimizer.iterations if optimizer is not None else 0
-        fields = {
-            "loss": tf.cast(inputs.loss, tf.float32),
-            "grad_norm": grad_sumsq / (scale * scale),
-            "lr": tf.cast(lr, tf.float32),
-            "loss_scale": scale if is_lso else tf.constant(0.0),
-            "skipped": skipped,
-            "iterations": tf.cast(iterations, tf.float32),
-        }
+        fields = functools.partial(_header_fields, inputs, grad_fields)
         builder.add("header", "header", None, "step header", fields)
 
     def input(self, builder, inputs: StepInputs) -> None:
@@ -155,12 +145,13 @@ class PhaseStatistics:
             if note not in self.not_watched_inputs:
                 self.not_watched_inputs.append(note)
             return
-        builder.add("input", "input", name, tensor, step_stats.tensor_fields([watched]))
+        fields = functools.partial(step_stats.tensor_fields, [watched])
+        builder.add("input", "input", name, tensor, fields)
 
     def forward(self, builder, inputs: StepInputs) -> None:
         """Every watched layer's output, then each model output's logits."""
         for call in inputs.trace.calls:
-            fields = step_stats.tensor_fields(call.outputs)
+            fields = functools.partial(step_stats.tensor_fields, call.outputs)
             builder.add("forward", "activation", call.path, f"output of {call.path}", fields)
         flat_pred = [t for t in tf.nest.flatten(inputs.y_pred) if t is not None]
         output_names = io_names.output_names(inputs.model, len(flat_pred))
@@ -169,14 +160,17 @@ class PhaseStatistics:
             tensor = f"model output {name}"
             if logits is not None:
                 tensor = f"logits of model output {name} (before the final activation)"
-            fields = step_stats.tensor_fields([logits if logits is not None else t])
+            fields = functools.partial(
+                step_stats.tensor_fields, [logits if logits is not None else t]
+            )
             builder.add("forward", "logits", name, tensor, fields)
 
     def loss(self, builder, inputs: StepInputs) -> None:
         """Each output's loss, then the total."""
         for name, value in inputs.trace.losses:
-            builder.add("loss", "loss", name, f"loss of output {name}", _loss_fields(value))
-        builder.add("loss", "loss", None, "total loss", _loss_fields(inputs.loss))
+            fields = functools.partial(_loss_fields, value)
+            builder.add("loss", "loss", name, f"loss of output {name}", fields)
+        builder.add("loss", "loss", None, "total loss", functools.partial(_loss_fields, inputs.loss))
 
     def backward(self, builder, inputs: StepInputs, grad_fields: list[dict]) -> None:
         """In reverse execution order, per layer: the gradient w.r.t. its
@@ -188,28 +182,57 @@ class PhaseStatistics:
         for call, out_grads, in_grads in reversed(_grads_per_call(inputs)):
             path = call.path
             if any(g is not None for g in out_grads):  # else no gradient: not a zero one
-                fields = step_stats.gradient_fields(out_grads)
+                fields = functools.partial(step_stats.gradient_fields, out_grads)
                 tensor = f"gradient w.r.t. output of {path}"
                 builder.add("backward", "grad_out", path, tensor, fields)
             if "#" not in path:
                 for v, fields in grads_by_owner.pop(path, []):
-                    builder.add("backward", "grad_var", path, f"gradient of {v.path}", fields)
+                    text = f"gradient of {v.path}"
+                    builder.add("backward", "grad_var", path, text, functools.partial(dict, fields))
             if in_grads:  # none when the input is not computed from any weight
-                fields = step_stats.gradient_fields(in_grads)
+                fields = functools.partial(step_stats.gradient_fields, in_grads)
                 tensor = f"gradient w.r.t. input of {path}"
                 builder.add("backward", "grad_in", path, tensor, fields)
         for owner, items in grads_by_owner.items():
             for v, fields in items:
-                builder.add("backward", "grad_var", owner, f"gradient of {v.path}", fields)
+                text = f"gradient of {v.path}"
+                builder.add("backward", "grad_var", owner, text, functools.partial(dict, fields))
 
     def update(self, builder, weights: list) -> None:
         """Each variable after the optimizer's update."""
         owners = self.taps.variable_owners()
         for v in weights:
-            fields = step_stats.value_fields(tf.convert_to_tensor(v))
+            fields = functools.partial(_value_fields, v)
             builder.add(
                 "update", "weights", owners.get(id(v)), f"{v.path} after the update", fields
             )
+
+
+def _header_fields(inputs: StepInputs, grad_fields: list[dict]) -> dict:
+    """The header's values (see ``PhaseStatistics.header``)."""
+    optimizer = inputs.optimizer
+    is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    if is_lso:
+        scale = optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale
+        scale = tf.cast(scale, tf.float32)
+    else:
+        scale = tf.constant(1.0)
+    grad_sumsq = tf.add_n([f["norm"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
+    skipped = _skipped_by_loss_scaler(grad_fields, grad_sumsq) if is_lso else tf.constant(0.0)
+    lr = optimizer.learning_rate if optimizer is not None else 0.0
+    iterations = optimizer.iterations if optimizer is not None else 0
+    return {
+        "loss": tf.cast(inputs.loss, tf.float32),
+        "grad_norm": grad_sumsq / (scale * scale),
+        "lr": tf.cast(lr, tf.float32),
+        "loss_scale": scale if is_lso else tf.constant(0.0),
+        "skipped": skipped,
+        "iterations": tf.cast(iterations, tf.float32),
+    }
+
+
+def _value_fields(variable) -> dict:
+    return step_stats.value_fields(tf.convert_to_tensor(variable))
 
 
 def _grads_per_call(inputs: StepInputs) -> list[tuple[Any, list, list]]:

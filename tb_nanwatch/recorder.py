@@ -91,6 +91,15 @@ class StepRecorder:
             seen.update(inputs.trace.not_float)
             self.unwatched_layers = [p for p in self.tapped_layers if p not in seen]
         with tf.name_scope(STATS_SCOPE):
+            if self._trace_never_runs():
+                # This trace creates the device record's variables, and a
+                # tf.function whose first trace creates variables traces
+                # again and runs only that second trace: the entries (for
+                # the variables' shapes) are all this one needs.
+                builder = self.statistics.before_update(inputs, step_stats.SchemaOnlyBuilder())
+                size = _vector_size_after_update(builder, inputs.weights)
+                batch = self.device.ensure(size, inputs.data, inputs.weights)
+                return PendingStep(builder, batch, [])
             builder = self.statistics.before_update(inputs)
             # The buffer's width is known only now; create it before any use.
             size = _vector_size_after_update(builder, inputs.weights)
@@ -102,6 +111,8 @@ class StepRecorder:
     def after_update(self, pending: PendingStep, weights: list) -> tf.Tensor:
         """Adds the update entries and writes the step's row; returns the row."""
         builder = pending.builder
+        if not builder.records_values:  # a trace that never runs (see before_update)
+            return tf.zeros([self.device.row_width], tf.float32)
         with tf.name_scope(STATS_SCOPE):
             self.statistics.update(builder, weights)
             vector = builder.vector()
@@ -112,6 +123,14 @@ class StepRecorder:
             )
         readers_first(pending.gradients)
         return row
+
+    def _trace_never_runs(self) -> bool:
+        """Whether the step being traced creates (or, on another replica,
+        created) the device record's variables."""
+        if tf.executing_eagerly():
+            return False
+        created_in = self.device.created_in_graph
+        return created_in is None or created_in is tf.compat.v1.get_default_graph()
 
     def guarded(self, method, *args):
         """``method(*args)``, or None after remembering its error.

@@ -213,8 +213,23 @@ def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
     }
 
 
+class SchemaOnlyBuilder:
+    """Collects the entries of a step and none of their values: for a trace
+    that TensorFlow never runs (see ``StepRecorder.before_update``)."""
+
+    records_values = False
+
+    def __init__(self) -> None:
+        self.schema = Schema()
+
+    def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields) -> None:
+        self.schema.add(phase, kind, layer, tensor)
+
+
 class StatsBuilder:
     """Collects fields entry by entry; ``vector()`` reduces and packs them."""
+
+    records_values = True
 
     def __init__(self) -> None:
         self.schema = Schema()
@@ -229,8 +244,11 @@ class StatsBuilder:
         # LazyCount; ``_sum_vector`` turns them into values.
         self._sum_specs: list = []
 
-    def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields: dict) -> None:
+    def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields) -> None:
+        """Adds an entry; ``fields`` is its dict of values or a function returning it."""
         entry = self.schema.add(phase, kind, layer, tensor)
+        if callable(fields):
+            fields = fields()
         ops = _HEADER_OPS if kind == "header" else _FIELD_OPS
         slots = {}
         for name in entry.fields:
