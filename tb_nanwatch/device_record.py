@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops
 
-from tb_nanwatch import step_stats
+from tb_nanwatch import lazy_counts, step_stats
 from tb_nanwatch.schema import Schema
 
 # Sequence numbers are stored in float32: keep them exactly representable.
@@ -88,24 +88,27 @@ class DeviceRecord:
                 return batch
             if not tf.executing_eagerly():
                 self.created_in_graph = tf.compat.v1.get_default_graph()
+            # XLA cannot assign a new shape to a variable; elsewhere the
+            # copies start empty and take their shape when first written.
+            growable = not lazy_counts.in_xla()
             with tf.init_scope():
-                self._create(width, batch, weights)
+                self._create(width, batch, weights, growable)
                 self._replicas = replicas
         return batch
 
-    def _create(self, width: int, batch: list[tf.Tensor], weights: list) -> None:
+    def _create(self, width: int, batch: list[tf.Tensor], weights: list, growable: bool) -> None:
+        """The variables. The batch stash and the weight copies hold nothing
+        until a step may be non-finite (``growable``; under XLA they are
+        allocated at their full size)."""
         rows = self.steps_per_execution
         self._buffer = _local_variable(tf.zeros([rows, width], tf.float32), "nanwatch_buffer")
         self._step_count = _local_variable(tf.constant(0, tf.int64), "nanwatch_counter")
         self._batch_of = _local_variable(tf.constant(0, tf.int64), "nanwatch_batch_of")
         self._incident_captured = _local_variable(tf.constant(False), "nanwatch_incident_captured")
-        self._batch_stash = [_stash_variable(t) for t in batch]
+        self._batch_stash = [_stash_variable(t, growable) for t in batch]
         self.watched_weights = list(weights)
         if self.pre_step_weights != "off":
-            self._pre_step_copies = [
-                _local_variable(tf.zeros(v.shape, v.dtype), "nanwatch_pre_step_weights")
-                for v in weights
-            ]
+            self._pre_step_copies = [_weight_copy(v, growable) for v in weights]
             self._pre_step_copies_of = _local_variable(
                 tf.constant(0, tf.int64), "nanwatch_pre_step_weights_of"
             )
@@ -209,7 +212,8 @@ class DeviceRecord:
             # non-finite copies).
             counts = [int(c.numpy()) for c in _locals(self._pre_step_copies_of)]
             best = int(np.argmax(counts))
-            weights = [_locals(v)[best].numpy() for v in self._pre_step_copies]
+            if counts[best] > 0:  # else never copied (a growable copy is still empty)
+                weights = [_locals(v)[best].numpy() for v in self._pre_step_copies]
         batch = [_unstash(slot) for slot in self._batch_stash] if self._batch_stash else []
         return weights, batch, self._batch_structure
 
@@ -241,15 +245,17 @@ def _nonfinite_and_incident(schema: Schema, vector: tf.Tensor) -> tuple[tf.Tenso
     return nonfinite, tf.logical_and(nonfinite, tf.logical_not(skipped))
 
 
-def _local_variable(initial, name: str) -> tf.Variable:
+def _local_variable(initial, name: str, shape=None) -> tf.Variable:
     """A non-trainable variable each replica writes on its own (``ON_READ``).
 
-    Without a distribution strategy it is a plain variable.
+    Without a distribution strategy it is a plain variable. ``shape``:
+    ``tf.TensorShape(None)`` for one that may be assigned any shape.
     """
     return tf.Variable(
         initial,
         trainable=False,
         name=name,
+        shape=shape,
         synchronization=tf.VariableSynchronization.ON_READ,
         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
     )
@@ -273,23 +279,32 @@ def _read(var) -> np.ndarray:
     return gen_resource_variable_ops.read_variable_op(var.handle, var.dtype)._numpy()
 
 
-# The batch of the current step is kept in a fixed-shape variable (XLA cannot
-# assign a new shape to a variable): rows beyond the first traced batch size
-# are not kept; a smaller batch is padded and its length kept in a companion
-# variable.
+def _weight_copy(v, growable: bool) -> tf.Variable:
+    if growable:
+        empty = tf.zeros([0], v.dtype)
+        return _local_variable(empty, "nanwatch_pre_step_weights", tf.TensorShape(None))
+    return _local_variable(tf.zeros(v.shape, v.dtype), "nanwatch_pre_step_weights")
+
+
+# Under XLA the batch of the current step is kept in a fixed-shape variable
+# (XLA cannot assign a new shape to a variable): rows beyond the first traced
+# batch size are not kept; a smaller batch is padded and its length kept in a
+# companion variable. Elsewhere the variable starts empty and takes the
+# batch's shape.
 _DEFAULT_ROWS = 1024
 
 
-def _stash_variable(t: tf.Tensor) -> tuple[tf.Variable, tf.Variable] | None:
+def _stash_variable(t: tf.Tensor, growable: bool) -> tuple[tf.Variable, tf.Variable] | None:
     shape = t.shape
+    rows_kept = _local_variable(tf.constant(0, tf.int32), "nanwatch_batch_rows")
+    if growable and shape.rank:
+        empty = tf.zeros([0] * shape.rank, t.dtype)
+        return _local_variable(empty, "nanwatch_batch", tf.TensorShape(None)), rows_kept
     if shape.rank is None or not all(d is not None for d in shape[1:]):
         return None  # dynamic feature dims: not kept
     rows = shape[0] if shape.rank and shape[0] is not None else _DEFAULT_ROWS
     full = [rows] + list(shape[1:]) if shape.rank else []
-    return (
-        _local_variable(tf.zeros(full, t.dtype), "nanwatch_batch"),
-        _local_variable(tf.constant(0, tf.int32), "nanwatch_batch_rows"),
-    )
+    return _local_variable(tf.zeros(full, t.dtype), "nanwatch_batch"), rows_kept
 
 
 def _stash(slot, t: tf.Tensor) -> None:
@@ -298,6 +313,10 @@ def _stash(slot, t: tf.Tensor) -> None:
     var, rows = slot
     if t.shape.rank == 0:
         var.assign(t)
+        return
+    if var.shape.rank is None:  # growable: the whole batch, as it is
+        var.assign(t)
+        rows.assign(tf.shape(t)[0])
         return
     room = var.shape[0]
     kept = t[:room]

@@ -170,7 +170,9 @@ class PhaseStatistics:
         for name, value in inputs.trace.losses:
             fields = functools.partial(_loss_fields, value)
             builder.add("loss", "loss", name, f"loss of output {name}", fields)
-        builder.add("loss", "loss", None, "total loss", functools.partial(_loss_fields, inputs.loss))
+        builder.add(
+            "loss", "loss", None, "total loss", functools.partial(_loss_fields, inputs.loss)
+        )
 
     def backward(self, builder, inputs: StepInputs, grad_fields: list[dict]) -> None:
         """In reverse execution order, per layer: the gradient w.r.t. its
@@ -294,6 +296,8 @@ def readers_first(tensors: list) -> None:
     depends on that tensor only, so no cycle can form) gives the buffer back
     to the step's op. Values are unchanged; only the order is.
     """
+    if tf.executing_eagerly():
+        return  # an eager step runs in program order; nothing to reorder
     seen = set()
     for t in tensors:
         if isinstance(t, tf.IndexedSlices):

@@ -71,7 +71,7 @@ def rare_cond(pred: tf.Tensor, true_fn, false_fn):
     runs (one function call).
     """
     out = tf.cond(pred, true_fn, false_fn)
-    if not lazy_counts.in_xla():
+    if not tf.executing_eagerly() and not lazy_counts.in_xla():
         op = tf.nest.flatten(out)[0].op
         while op.type not in ("If", "StatelessIf") and op.inputs:
             op = op.inputs[0].op

@@ -1,0 +1,104 @@
+"""What the first step and the record cost: statistics built once, exact
+counts in a few ops, weight copies and batch stash empty until needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scenarios
+import tensorflow as tf
+from scenarios import fit, origin
+
+from tb_nanwatch import lazy_counts, step_stats
+
+
+def _count_builders(monkeypatch) -> dict:
+    built = {"values": 0, "schema_only": 0}
+    for cls, key in (
+        (step_stats.StatsBuilder, "values"),
+        (step_stats.SchemaOnlyBuilder, "schema_only"),
+    ):
+        init = cls.__init__
+
+        def counted(self, _init=init, _key=key):
+            built[_key] += 1
+            _init(self)
+
+        monkeypatch.setattr(cls, "__init__", counted)
+    return built
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_the_discarded_first_trace_builds_no_statistics(jit_compile, monkeypatch, tmp_path):
+    # Keras' first trace creates the optimizer's and the record's variables,
+    # so tf.function traces the step again and runs only that second trace.
+    built = _count_builders(monkeypatch)
+    model, watch, truth, _ = fit(
+        scenarios.backward_sqrt_zero, tmp_path, compile_kwargs={"jit_compile": jit_compile}
+    )
+    assert built == {"values": 1, "schema_only": 1}
+    assert origin(watch.incident) == truth
+    assert watch.journal.run_info["jit_compile"] is jit_compile
+    assert model.jit_compile is jit_compile  # XLA really stayed on
+
+
+def test_an_eager_step_records_from_its_first_step(monkeypatch, tmp_path):
+    built = _count_builders(monkeypatch)
+    _, watch, truth, _ = fit(
+        scenarios.backward_sqrt_zero, tmp_path, compile_kwargs={"run_eagerly": True}
+    )
+    assert built["schema_only"] == 0 and built["values"] == truth["step"] + 1
+    assert origin(watch.incident) == truth
+
+
+def test_weight_copies_and_batch_stash_hold_nothing_on_a_healthy_run(tmp_path):
+    _, watch, _, _ = fit(scenarios.healthy_small, tmp_path / "healthy")
+    device = watch._recorder.device
+    assert watch.incident is None
+    assert all(v.numpy().size == 0 for v in device._pre_step_copies)
+    assert all(var.numpy().size == 0 for var, _ in device._batch_stash)
+    assert device.pre_step_state()[0] == []
+
+
+def test_weight_copies_and_batch_stash_are_full_at_an_incident(tmp_path):
+    model, watch, truth, _ = fit(scenarios.backward_sqrt_zero, tmp_path)
+    weights, batch, _ = watch._recorder.device.pre_step_state()
+    assert [w.shape for w in weights] == [tuple(v.shape) for v in model.trainable_weights]
+    assert batch[0].shape[0] == scenarios.BATCH
+    assert watch._recorder.device.stashed_steps() == (truth["step"], truth["step"])
+
+
+def _counts_in_graph(tensors: list[np.ndarray], jit_compile: bool) -> np.ndarray:
+    @tf.function(jit_compile=jit_compile)
+    def counts(*values):
+        lazies = []
+        for v in values:
+            lazies += [
+                lazy_counts.LazyCount(kind, (v,), tf.constant(0.0)) for kind in ("nan", "inf")
+            ]
+        # An entry of two sources, as a layer with two outputs gives.
+        lazies.append(lazy_counts.LazyCount("nan", values[:2], tf.constant(0.0)))
+        return lazy_counts.exact_counts(lazies)
+
+    return counts(*[tf.constant(t) for t in tensors]).numpy()
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_exact_counts_match_numpy_for_every_tensor(jit_compile):
+    rng = np.random.default_rng(3)
+    tensors = [
+        rng.standard_normal((4, 5)).astype("float32"),
+        np.array([], "float32"),
+        rng.standard_normal((3, 2, 2)).astype("float16"),
+        rng.standard_normal(7).astype("float32"),
+        np.array(2.0, "float32"),
+    ]
+    tensors[0][1, 2] = tensors[0][3, 0] = np.nan
+    tensors[0][0, 0] = np.inf
+    tensors[2][0, 1, 1] = -np.inf
+    tensors[3][6] = np.nan
+    want = []
+    for t in tensors:
+        want += [np.isnan(t).sum(), np.isinf(t).sum()]
+    want.append(np.isnan(tensors[0]).sum() + np.isnan(tensors[1]).sum())
+    np.testing.assert_array_equal(_counts_in_graph(tensors, jit_compile), want)
