@@ -130,11 +130,16 @@ def count_inf(t: tf.Tensor) -> tf.Tensor:
 
 
 def value_fields(t: tf.Tensor) -> dict:
-    """Lazy nan/inf counts of ``t`` (a weight after the update), on its sum."""
+    """Lazy nan/inf counts of ``t`` (a weight read after the update), on its sum.
+
+    Not held (see ``lazy_counts.held_if_non_finite``): the read shares the
+    variable's buffer, which lives on after the step anyway.
+    """
     if not t.dtype.is_floating:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero}
-    return lazy_counts.counts_of([t], lazy_counts.trigger(t))
+    trigger = lazy_counts.trigger(t)
+    return {kind: LazyCount(kind, (t,), trigger) for kind in ("nan", "inf")}
 
 
 _HALF_SUMSQ_ATTR = "_nanwatch_half_sum_squares"
@@ -283,13 +288,20 @@ class StatsBuilder:
         False guarantees every NaN/Inf count so far is 0; True is almost
         always a real NaN/Inf (or a finite tensor whose sum overflows).
         """
-        triggers = _unique([s.trigger for s in self._sum_specs if isinstance(s, LazyCount)])
+        lazies = [s for s in self._sum_specs if isinstance(s, LazyCount)]
+        if lazies and lazy_counts.in_xla():
+            # The exact counts are computed anyway under XLA (see _sum_vector),
+            # which merges these with them; no trigger pass is then needed.
+            lazies, exact = [], [c.exact() for c in lazies]
+        else:
+            exact = []
+        triggers = _unique([s.trigger for s in lazies])
         checks = (
             [tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))]
             if triggers
             else []
         )
-        eager = [s for s in self._sum_specs if not isinstance(s, LazyCount)]
+        eager = [s for s in self._sum_specs if not isinstance(s, LazyCount)] + exact
         if eager:
             checks.append(tf.add_n(eager) > 0)
         if not checks:
@@ -305,6 +317,13 @@ class StatsBuilder:
         lazy = [i for i, s in enumerate(specs) if isinstance(s, LazyCount)]
         if not lazy:
             return tf.stack([specs[i] for i in eager])
+        if lazy_counts.in_xla():
+            # XLA fuses each count into its tensor's other reductions, while
+            # a conditional taking every watched tensor would keep them all
+            # alive until the end of the step (XLA plans buffers for the
+            # whole program): here the counts are cheaper than the cond.
+            lazy_values = tf.stack([specs[i].exact() for i in lazy])
+            return _in_slot_order(specs, eager, lazy, lazy_values)
         triggers = _unique([specs[i].trigger for i in lazy])
         maybe_nonfinite = tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))
 
@@ -314,12 +333,7 @@ class StatsBuilder:
         def clean() -> tf.Tensor:
             return tf.zeros([len(lazy)], tf.float32)
 
-        lazy_values = rare_cond(maybe_nonfinite, exact, clean)
-        if not eager:
-            return lazy_values
-        parts = tf.concat([tf.stack([specs[i] for i in eager]), lazy_values], 0)
-        where = {i: k for k, i in enumerate(eager + lazy)}
-        return tf.gather(parts, tf.constant([where[i] for i in range(len(specs))], tf.int32))
+        return _in_slot_order(specs, eager, lazy, rare_cond(maybe_nonfinite, exact, clean))
 
     def vector(self) -> tf.Tensor:
         """The packed float32 vector, reduced across replicas when needed."""
@@ -361,6 +375,15 @@ class StatsBuilder:
             flat.append(stacked[g])
         index = [offsets[g] + i for g, i in self._layout]
         return tf.gather(tf.concat(flat, 0), tf.constant(index, tf.int32))
+
+
+def _in_slot_order(specs: list, eager: list[int], lazy: list[int], lazy_values) -> tf.Tensor:
+    """The eager values and ``lazy_values`` (in ``lazy``'s order) back in slot order."""
+    if not eager:
+        return lazy_values
+    parts = tf.concat([tf.stack([specs[i] for i in eager]), lazy_values], 0)
+    where = {i: k for k, i in enumerate(eager + lazy)}
+    return tf.gather(parts, tf.constant([where[i] for i in range(len(specs))], tf.int32))
 
 
 def _unique(tensors: list) -> list:
