@@ -288,20 +288,13 @@ class StatsBuilder:
         False guarantees every NaN/Inf count so far is 0; True is almost
         always a real NaN/Inf (or a finite tensor whose sum overflows).
         """
-        lazies = [s for s in self._sum_specs if isinstance(s, LazyCount)]
-        if lazies and lazy_counts.in_xla():
-            # The exact counts are computed anyway under XLA (see _sum_vector),
-            # which merges these with them; no trigger pass is then needed.
-            lazies, exact = [], [c.exact() for c in lazies]
-        else:
-            exact = []
-        triggers = _unique([s.trigger for s in lazies])
+        triggers = _unique([s.trigger for s in self._sum_specs if isinstance(s, LazyCount)])
         checks = (
             [tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))]
             if triggers
             else []
         )
-        eager = [s for s in self._sum_specs if not isinstance(s, LazyCount)] + exact
+        eager = [s for s in self._sum_specs if not isinstance(s, LazyCount)]
         if eager:
             checks.append(tf.add_n(eager) > 0)
         if not checks:
@@ -317,13 +310,9 @@ class StatsBuilder:
         lazy = [i for i, s in enumerate(specs) if isinstance(s, LazyCount)]
         if not lazy:
             return tf.stack([specs[i] for i in eager])
-        if lazy_counts.in_xla():
-            # XLA fuses each count into its tensor's other reductions, while
-            # a conditional taking every watched tensor would keep them all
-            # alive until the end of the step (XLA plans buffers for the
-            # whole program): here the counts are cheaper than the cond.
-            lazy_values = tf.stack([specs[i].exact() for i in lazy])
-            return _in_slot_order(specs, eager, lazy, lazy_values)
+        # Under XLA too: computing every count in place instead (no
+        # conditional keeping the watched tensors alive) made the compile of
+        # ResNet50 7x slower and 7.8 GB large on a CPU (bench/RESULTS.md).
         triggers = _unique([specs[i].trigger for i in lazy])
         maybe_nonfinite = tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))
 
