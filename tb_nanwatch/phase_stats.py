@@ -190,7 +190,7 @@ class PhaseStatistics:
             if "#" not in path:
                 for v, fields in grads_by_owner.pop(path, []):
                     text = f"gradient of {v.path}"
-                    builder.add("backward", "grad_var", path, text, functools.partial(dict, fields))
+                    builder.add("backward", "grad_var", path, text, fields)
             if in_grads:  # none when the input is not computed from any weight
                 fields = functools.partial(step_stats.gradient_fields, in_grads)
                 tensor = f"gradient w.r.t. input of {path}"
@@ -198,7 +198,7 @@ class PhaseStatistics:
         for owner, items in grads_by_owner.items():
             for v, fields in items:
                 text = f"gradient of {v.path}"
-                builder.add("backward", "grad_var", owner, text, functools.partial(dict, fields))
+                builder.add("backward", "grad_var", owner, text, fields)
 
     def update(self, builder, weights: list) -> None:
         """Each variable after the optimizer's update."""
