@@ -296,15 +296,17 @@ _DEFAULT_ROWS = 1024
 
 def _stash_variable(t: tf.Tensor, growable: bool) -> tuple[tf.Variable, tf.Variable] | None:
     shape = t.shape
-    rows_kept = _local_variable(tf.constant(0, tf.int32), "nanwatch_batch_rows")
     if growable and shape.rank:
-        empty = tf.zeros([0] * shape.rank, t.dtype)
-        return _local_variable(empty, "nanwatch_batch", tf.TensorShape(None)), rows_kept
-    if shape.rank is None or not all(d is not None for d in shape[1:]):
+        stash = _local_variable(
+            tf.zeros([0] * shape.rank, t.dtype), "nanwatch_batch", tf.TensorShape(None)
+        )
+    elif shape.rank is None or not all(d is not None for d in shape[1:]):
         return None  # dynamic feature dims: not kept
-    rows = shape[0] if shape.rank and shape[0] is not None else _DEFAULT_ROWS
-    full = [rows] + list(shape[1:]) if shape.rank else []
-    return _local_variable(tf.zeros(full, t.dtype), "nanwatch_batch"), rows_kept
+    else:
+        rows = shape[0] if shape.rank and shape[0] is not None else _DEFAULT_ROWS
+        full = [rows] + list(shape[1:]) if shape.rank else []
+        stash = _local_variable(tf.zeros(full, t.dtype), "nanwatch_batch")
+    return stash, _local_variable(tf.constant(0, tf.int32), "nanwatch_batch_rows")
 
 
 def _stash(slot, t: tf.Tensor) -> None:
