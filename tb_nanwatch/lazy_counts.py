@@ -66,32 +66,18 @@ def exact_count(kind: str, t: tf.Tensor) -> tf.Tensor:
 def trigger(t: tf.Tensor) -> tf.Tensor:
     """A float32 scalar that is non-finite whenever ``t`` holds a NaN or Inf
     (its sum; cached on the tensor)."""
-    cached = getattr(t, _TRIGGER_ATTR, None)
-    if cached is not None:
-        return cached
-    value = tf.reduce_sum(tf.cast(t, tf.float32)) if t.dtype.is_floating else tf.constant(0.0)
-    try:
-        setattr(t, _TRIGGER_ATTR, value)
-    except AttributeError:
-        pass
-    return value
+    if not t.dtype.is_floating:
+        return tf.constant(0.0)
+    return _cached(t, _TRIGGER_ATTR, lambda: tf.reduce_sum(tf.cast(t, tf.float32)))
 
 
-def counts_of(sources: list, trigger_value: tf.Tensor) -> dict[str, LazyCount]:
-    """``{"nan": ..., "inf": ...}`` for ``sources``, held until the trigger is known."""
-    held = tuple(held_if_non_finite(t, trigger_value) for t in sources)
-    return {kind: LazyCount(kind, held, trigger_value) for kind in ("nan", "inf")}
+def counts_of(sources, trigger_value: tf.Tensor) -> dict[str, LazyCount]:
+    """``{"nan": ..., "inf": ...}``: the lazy counts of ``sources`` on ``trigger_value``."""
+    return {kind: LazyCount(kind, tuple(sources), trigger_value) for kind in ("nan", "inf")}
 
 
 def _is_finite(trigger_value: tf.Tensor) -> tf.Tensor:
-    cached = getattr(trigger_value, _FINITE_ATTR, None)
-    if cached is None:
-        cached = tf.math.is_finite(trigger_value)
-        try:
-            setattr(trigger_value, _FINITE_ATTR, cached)
-        except AttributeError:
-            pass
-    return cached
+    return _cached(trigger_value, _FINITE_ATTR, lambda: tf.math.is_finite(trigger_value))
 
 
 def held_if_non_finite(t: tf.Tensor, trigger_value: tf.Tensor) -> tf.Tensor:
@@ -150,14 +136,20 @@ def graph_constant(value: np.ndarray) -> tf.Tensor:
 
 def _cache(t: tf.Tensor, attr: str) -> dict:
     """A dict stored on ``t`` (a fresh, unstored one if ``t`` takes no attributes)."""
-    cache = getattr(t, attr, None)
-    if cache is None:
-        cache = {}
+    return _cached(t, attr, dict)
+
+
+def _cached(t: tf.Tensor, attr: str, make):
+    """``make()``, made once per tensor and kept on it (made afresh each time
+    for a tensor that takes no attributes)."""
+    value = getattr(t, attr, None)
+    if value is None:
+        value = make()
         try:
-            setattr(t, attr, cache)
+            setattr(t, attr, value)
         except AttributeError:
             pass
-    return cache
+    return value
 
 
 def exact_counts(counts: list[LazyCount]) -> tf.Tensor:

@@ -90,20 +90,20 @@ class StepRecorder:
             self.not_float_layers = [p for p in inputs.trace.not_float if p not in seen]
             seen.update(inputs.trace.not_float)
             self.unwatched_layers = [p for p in self.tapped_layers if p not in seen]
+        # A trace that creates the device record's variables is never run: a
+        # tf.function whose first trace creates variables traces again and
+        # runs only that second trace. The entries (for the variables'
+        # shapes) are all it needs.
+        schema_only = self._trace_never_runs()
         with tf.name_scope(STATS_SCOPE):
-            if self._trace_never_runs():
-                # This trace creates the device record's variables, and a
-                # tf.function whose first trace creates variables traces
-                # again and runs only that second trace: the entries (for
-                # the variables' shapes) are all this one needs.
-                builder = self.statistics.before_update(inputs, step_stats.SchemaOnlyBuilder())
-                size = _vector_size_after_update(builder, inputs.weights)
-                batch = self.device.ensure(size, inputs.data, inputs.weights)
-                return PendingStep(builder, batch, [])
-            builder = self.statistics.before_update(inputs)
+            builder = self.statistics.before_update(
+                inputs, step_stats.SchemaOnlyBuilder() if schema_only else None
+            )
             # The buffer's width is known only now; create it before any use.
             size = _vector_size_after_update(builder, inputs.weights)
             batch = self.device.ensure(size, inputs.data, inputs.weights)
+            if schema_only:
+                return PendingStep(builder, batch, [])
             self.device.copy_pre_step_weights(inputs.weights, builder.maybe_nonfinite)
         gradients = [g for g in inputs.grads if g is not None]
         return PendingStep(builder, batch, gradients)

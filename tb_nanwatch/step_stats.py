@@ -138,8 +138,7 @@ def value_fields(t: tf.Tensor) -> dict:
     if not t.dtype.is_floating:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero}
-    trigger = lazy_counts.trigger(t)
-    return {kind: LazyCount(kind, (t,), trigger) for kind in ("nan", "inf")}
+    return lazy_counts.counts_of([t], lazy_counts.trigger(t))
 
 
 _HALF_SUMSQ_ATTR = "_nanwatch_half_sum_squares"
@@ -194,7 +193,8 @@ def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
     else:
         triggers = [lazy_counts.trigger(t) for t in floating]
         trigger = triggers[0] if len(triggers) == 1 else tf.add_n(triggers)
-    return {**lazy_counts.counts_of(floating, trigger), "min": low, "max": high}
+    held = [lazy_counts.held_if_non_finite(t, trigger) for t in floating]
+    return {**lazy_counts.counts_of(held, trigger), "min": low, "max": high}
 
 
 def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
@@ -210,12 +210,8 @@ def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
     # The sum of squares is NaN or Inf whenever a gradient holds one: it is
     # the trigger of the lazy counts, at no extra cost.
     norm = squares[0] if len(squares) == 1 else tf.add_n(squares)
-    held = tuple(lazy_counts.held_if_non_finite(g, s) for g, s in zip(grads, squares, strict=True))
-    return {
-        "nan": LazyCount("nan", held, norm),
-        "inf": LazyCount("inf", held, norm),
-        "norm": norm,
-    }
+    held = [lazy_counts.held_if_non_finite(g, s) for g, s in zip(grads, squares, strict=True)]
+    return {**lazy_counts.counts_of(held, norm), "norm": norm}
 
 
 class SchemaOnlyBuilder:
