@@ -64,6 +64,7 @@ def _plain_runner(model, optimizer, loss_fn, batches):
 
 def _floor_runner(model, optimizer, loss_fn, batches):
     import tensorflow as tf
+    import worker
 
     from tb_nanwatch.recorder import StepRecorder
     from tb_nanwatch.taps import LayerTaps
@@ -78,11 +79,7 @@ def _floor_runner(model, optimizer, loss_fn, batches):
             loss = loss_fn(y, model(x, training=True))
         grads = tape.gradient(loss, list(weights) + StepRecorder.watched_tensors(trace))
         optimizer.apply_gradients(zip(grads[: len(weights)], weights, strict=True))
-        outputs = [t for call in trace.calls for t in call.outputs]
-        read = {id(t): t for t in outputs + [g for g in grads if g is not None]}
-        sums = [
-            tf.reduce_sum(t.values if isinstance(t, tf.IndexedSlices) else t) for t in read.values()
-        ]
+        sums = [tf.reduce_sum(t) for t in worker.floor_reads(trace, grads)]
         sums += [tf.reduce_sum(v) for v in weights]  # read after the update
         return loss, tf.stack(sums)
 

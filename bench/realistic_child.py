@@ -51,11 +51,9 @@ class FloorRecorder:
 
     def before_update(self, inputs):
         import tensorflow as tf
+        import worker
 
-        outputs = [t for call in inputs.trace.calls for t in call.outputs]
-        grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in inputs.grads]
-        read = {id(t): t for t in outputs + [g for g in grads if g is not None]}
-        return [tf.reduce_sum(t) for t in read.values()]
+        return [tf.reduce_sum(t) for t in worker.floor_reads(inputs.trace, inputs.grads)]
 
     def after_update(self, sums, weights):
         import tensorflow as tf

@@ -171,6 +171,17 @@ def _transformer(keras, vocab: int = 2000, width: int = 128, blocks: int = 4, se
     return inputs, outputs
 
 
+def floor_reads(trace, grads: list) -> list:
+    """What the ``floor`` variants read once a step (besides every weight after
+    the update): each watched layer's output and every gradient NanWatch asks
+    for, each tensor once."""
+    import tensorflow as tf
+
+    outputs = [t for call in trace.calls for t in call.outputs]
+    grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    return list({id(t): t for t in outputs + [g for g in grads if g is not None]}.values())
+
+
 # -- timing ----------------------------------------------------------------------
 
 
