@@ -68,25 +68,19 @@ print("done", flush=True)
 """
 
 
-class Child:
-    """A training process whose stdout lines are collected by a thread."""
+class TrainingChild:
+    """A training script in its own process: its stdout lines are collected
+    by a thread (``lines``), its stderr kept (``stderr``). The script gets the
+    run dir, then ``args``."""
 
-    def __init__(self, tmp_path, mode, steps=3000, nan_step=8, raise_at=-1):
-        script = tmp_path / "child.py"
-        script.write_text(CHILD)
+    def __init__(self, tmp_path, source: str, name: str, args: list[str]) -> None:
+        script = tmp_path / name
+        script.write_text(source)
         self.log_dir = str(tmp_path / "logs" / "run")
         env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env["CUDA_VISIBLE_DEVICES"] = ""
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(script),
-                self.log_dir,
-                mode,
-                str(steps),
-                str(nan_step),
-                str(raise_at),
-            ],
+            [sys.executable, str(script), self.log_dir, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -94,10 +88,12 @@ class Child:
         )
         self.lines: list[str] = []
         self.stderr = ""
-        self._out = threading.Thread(target=self._read_out, daemon=True)
-        self._err = threading.Thread(target=self._read_err, daemon=True)
-        self._out.start()
-        self._err.start()
+        self._threads = [
+            threading.Thread(target=self._read_out, daemon=True),
+            threading.Thread(target=self._read_err, daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def _read_out(self):
         for line in self.proc.stdout:
@@ -106,15 +102,27 @@ class Child:
     def _read_err(self):
         self.stderr = self.proc.stderr.read()
 
-    def max_flushed(self) -> int:
+    def join_readers(self) -> None:
+        for thread in self._threads:
+            thread.join(5)
+
+    def recorded(self) -> int:
+        """The most steps the journal had recorded (flushed), as the child printed."""
         return max(
             (int(line.split()[3]) for line in self.lines if line.startswith("batch ")), default=0
         )
 
+
+class Child(TrainingChild):
+    """This file's training script."""
+
+    def __init__(self, tmp_path, mode, steps=3000, nan_step=8, raise_at=-1):
+        args = [mode, str(steps), str(nan_step), str(raise_at)]
+        super().__init__(tmp_path, CHILD, "child.py", args)
+
     def wait(self, timeout=60) -> int:
         code = self.proc.wait(timeout=timeout)
-        self._out.join(5)
-        self._err.join(5)
+        self.join_readers()
         return code
 
     def kill(self):
@@ -177,10 +185,10 @@ def assert_series_complete(summary, series):
 
 def test_sigkill_keeps_flushed_steps_and_incident(child_factory):
     child = child_factory("run", nan_step=8)
-    wait_for(lambda: child.max_flushed() >= 25, child, interval=0.05)
+    wait_for(lambda: child.recorded() >= 25, child, interval=0.05)
     seen = steps_on_disk(child.log_dir)  # read while it trains
     child.proc.send_signal(signal.SIGKILL)
-    flushed_before_kill = child.max_flushed()
+    flushed_before_kill = child.recorded()
     assert child.wait() == -signal.SIGKILL
 
     summary, series, incident = read_run(child.log_dir)
@@ -205,7 +213,7 @@ def test_sigkill_keeps_flushed_steps_and_incident(child_factory):
 
 def test_sigterm_closes_the_record(child_factory):
     child = child_factory("run", nan_step=-1)
-    wait_for(lambda: child.max_flushed() >= 10, child, interval=0.05)
+    wait_for(lambda: child.recorded() >= 10, child, interval=0.05)
     child.proc.send_signal(signal.SIGTERM)
     # The handler chains to the default one: the process still dies by SIGTERM.
     assert child.wait() == -signal.SIGTERM

@@ -15,11 +15,10 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
-from test_crash_safety import assert_series_complete, read_run
+from test_crash_safety import TrainingChild, assert_series_complete, read_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,44 +89,12 @@ print("done", flush=True)
 """
 
 
-class Child:
+class Child(TrainingChild):
     """A training process; its stdout lines are collected by a thread."""
 
     def __init__(self, tmp_path, mode, steps=400, nan_step=-1, flush_secs=10.0, on="continue"):
-        script = tmp_path / "signal_child.py"
-        script.write_text(CHILD)
-        self.log_dir = str(tmp_path / "logs" / "run")
-        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        args = [self.log_dir, mode, str(steps), str(nan_step), str(flush_secs), on]
-        self.proc = subprocess.Popen(
-            [sys.executable, str(script), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.lines: list[str] = []
-        self.stderr = ""
-        self._threads = [
-            threading.Thread(target=self._read_out, daemon=True),
-            threading.Thread(target=self._read_err, daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def _read_out(self):
-        for line in self.proc.stdout:
-            self.lines.append(line.strip())
-
-    def _read_err(self):
-        self.stderr = self.proc.stderr.read()
-
-    def recorded(self) -> int:
-        """The most steps the journal had recorded, as the child printed."""
-        return max(
-            (int(line.split()[3]) for line in self.lines if line.startswith("batch ")), default=0
-        )
+        args = [mode, str(steps), str(nan_step), str(flush_secs), on]
+        super().__init__(tmp_path, CHILD, "signal_child.py", args)
 
     def wait(self, timeout: float) -> int:
         """The exit status; fails the test (and kills the child) past ``timeout``."""
@@ -137,8 +104,7 @@ class Child:
             self.proc.kill()
             self.proc.wait()
             pytest.fail(f"the process hung (killed after {timeout} s); stdout {self.lines[-3:]}")
-        for thread in self._threads:
-            thread.join(5)
+        self.join_readers()
         return code
 
     def wait_for_line(self, prefix: str, timeout: float = 120.0) -> None:
