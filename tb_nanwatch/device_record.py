@@ -157,10 +157,13 @@ class DeviceRecord:
             tf.logical_and(nonfinite, capturing), keep_batch, lambda: tf.constant(False)
         )
         self._incident_captured.assign(tf.logical_or(tf.logical_not(capturing), incident))
-        slot = tf.cast((count - 1) % self.steps_per_execution, tf.int32)
         seq = tf.cast(count % SEQ_MODULO, tf.float32)
         first = tf.reshape(replica_first_nonfinite, [-1])
         row = tf.concat([tf.reshape(seq, [1]), vector, first], 0)
+        if self.steps_per_execution == 1:
+            self._buffer.assign(tf.reshape(row, [1, -1]))
+            return row
+        slot = tf.cast((count - 1) % self.steps_per_execution, tf.int32)
         # assign(tensor_scatter_nd_update(...)) rather than scatter_nd_update:
         # distributed variables implement only assign.
         self._buffer.assign(

@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import control_flow_util, gen_array_ops
 
 # 64 KiB of float32; see held_if_non_finite.
 HOLD_MIN_ELEMENTS = 16384
@@ -104,23 +104,27 @@ def held_if_non_finite(t: tf.Tensor, trigger_value: tf.Tensor) -> tf.Tensor:
     held_by_trigger = _cache(t, _HELD_ATTR)
     if id(trigger_value) in held_by_trigger:
         return held_by_trigger[id(trigger_value)]
-    finite = _is_finite(trigger_value)
-    when_nonfinite, _ = tf.raw_ops.Switch(data=t, pred=finite)
-    held, _ = tf.raw_ops.Merge(inputs=[when_nonfinite, _empty_when_finite(trigger_value, t.dtype)])
+    if t.shape.rank is None:
+        t = tf.reshape(t, graph_constant(np.array([-1], np.int32)))
+    rank = t.shape.rank
+    begin = graph_constant(np.zeros([rank], np.int32))
+    held = tf.raw_ops.Slice(input=t, begin=begin, size=_slice_size(trigger_value, rank))
     held_by_trigger[id(trigger_value)] = held
     return held
 
 
-def _empty_when_finite(trigger_value: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    """An empty tensor of ``dtype``, alive exactly when ``trigger_value`` is
-    finite (shared by every tensor held on that trigger)."""
-    by_dtype = _cache(trigger_value, _EMPTY_ATTR)
-    if dtype not in by_dtype:
-        _, by_dtype[dtype] = tf.raw_ops.Switch(
-            data=graph_constant(np.zeros([0], dtype.as_numpy_dtype)),
-            pred=_is_finite(trigger_value),
+def _slice_size(trigger_value: tf.Tensor, rank: int) -> tf.Tensor:
+    """The ``size`` of a Slice of a rank-``rank`` tensor that is all of it
+    (all ``-1``) when ``trigger_value`` is non-finite, else nothing (all 0)."""
+    by_rank = _cache(trigger_value, _EMPTY_ATTR)
+    if rank not in by_rank:
+        # Select (not SelectV2): a scalar condition just forwards one input.
+        by_rank[rank] = tf.raw_ops.Select(
+            condition=_is_finite(trigger_value),
+            x=graph_constant(np.zeros([rank], np.int32)),
+            y=graph_constant(np.full([rank], -1, np.int32)),
         )
-    return by_dtype[dtype]
+    return by_rank[rank]
 
 
 def graph_constant(value: np.ndarray) -> tf.Tensor:
@@ -205,12 +209,29 @@ def _per_source_counts(sources: list[tf.Tensor]) -> tf.Tensor:
 def _group_counts(tensors: list[tf.Tensor], flat_shape: tf.Tensor) -> tf.Tensor:
     """[2, len(tensors)] for tensors of one dtype: one cumulative sum over
     their concatenation, read at each tensor's end and start."""
-    flats = [tf.reshape(t, flat_shape) for t in tensors]
-    sizes = tf.stack([tf.size(f, out_type=tf.int32) for f in flats])
-    values = tf.concat(flats, 0) if len(flats) > 1 else flats[0]
+    flats = [gen_array_ops.reshape(t, flat_shape) for t in tensors]
+    values = gen_array_ops.concat_v2(flats, axis=0) if len(flats) > 1 else flats[0]
     flags = tf.stack([tf.math.is_nan(values), tf.math.is_inf(values)])
     running = tf.pad(tf.cumsum(tf.cast(flags, tf.int32), axis=1), [[0, 0], [1, 0]])
+    sizes = _sizes(flats)
     ends = tf.cumsum(sizes)
     at_end = tf.gather(running, ends, axis=1)
     at_start = tf.gather(running, ends - sizes, axis=1)
     return tf.cast(at_end - at_start, tf.float32)
+
+
+def _sizes(flats: list[tf.Tensor]) -> tf.Tensor:
+    """int32 [len(flats)]: each flat tensor's size; one op for all the static
+    ones (a held tensor's size is known only when the branch runs: it is
+    empty on a step where it is finite)."""
+    static = [f.shape.num_elements() for f in flats]
+    dynamic = [i for i, n in enumerate(static) if n is None]
+    known = graph_constant(np.array([n for n in static if n is not None], np.int32))
+    if not dynamic:
+        return known
+    measured = tf.stack([gen_array_ops.size(flats[i], out_type=tf.int32) for i in dynamic])
+    if len(dynamic) == len(flats):
+        return measured
+    order = [i for i, n in enumerate(static) if n is not None] + dynamic
+    inverse = np.argsort(np.array(order)).astype(np.int32)
+    return tf.gather(tf.concat([known, measured], 0), graph_constant(inverse))

@@ -28,7 +28,7 @@ from tb_nanwatch.taps import LayerTaps, StepTrace
 STATS_SCOPE = "nanwatch_stats"
 # The op types that read a watched tensor directly (a reduction, or the cast
 # before one); each depends on that one tensor only.
-_READER_OPS = frozenset({"L2Loss", "Sum", "Min", "Max", "Cast", "Switch"})
+_READER_OPS = frozenset({"L2Loss", "Sum", "Min", "Max", "Cast", "Slice"})
 
 
 @dataclasses.dataclass
@@ -307,9 +307,9 @@ def readers_first(tensors: list) -> None:
         seen.add(id(t))
         consumers = t.consumers()
         readers = [op for op in consumers if is_ours(op) and op.type in _READER_OPS]
-        # A Switch that holds the tensor runs after its trigger, which is
+        # A Slice that holds the tensor runs after its trigger, which is
         # computed from every other reader: waiting for it is enough.
-        readers = [op for op in readers if op.type == "Switch"] or readers
+        readers = [op for op in readers if op.type == "Slice"] or readers
         if not readers:
             continue
         for op in consumers:

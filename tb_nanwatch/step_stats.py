@@ -244,6 +244,9 @@ class StatsBuilder:
         # The "sum" group (NaN/Inf counts), one a slot: a float32 tensor or a
         # LazyCount; ``_sum_vector`` turns them into values.
         self._sum_specs: list = []
+        # What maybe_nonfinite() answered, and for how many of _sum_specs.
+        self._maybe_nonfinite: tf.Tensor | None = None
+        self._checked = 0
 
     def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields) -> None:
         """Adds an entry; ``fields`` is its dict of values or a function returning it."""
@@ -282,20 +285,28 @@ class StatsBuilder:
         """A cheap scalar bool: may any entry added so far be non-finite?
 
         False guarantees every NaN/Inf count so far is 0; True is almost
-        always a real NaN/Inf (or a finite tensor whose sum overflows).
+        always a real NaN/Inf (or a finite tensor whose sum overflows). A
+        later call checks only the entries added since and reuses the earlier
+        answer.
         """
-        triggers = _unique([s.trigger for s in self._sum_specs if isinstance(s, LazyCount)])
-        checks = (
-            [tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))]
-            if triggers
-            else []
-        )
-        eager = [s for s in self._sum_specs if not isinstance(s, LazyCount)]
+        specs = self._sum_specs[self._checked :]
+        earlier, self._checked = self._maybe_nonfinite, len(self._sum_specs)
+        triggers = _unique([s.trigger for s in specs if isinstance(s, LazyCount)])
+        checks = [earlier] if earlier is not None else []
+        if triggers:
+            stacked = triggers[0] if len(triggers) == 1 else tf.stack(triggers)
+            checks.append(tf.logical_not(tf.reduce_all(tf.math.is_finite(stacked))))
+        eager = [s for s in specs if not isinstance(s, LazyCount)]
         if eager:
             checks.append(tf.add_n(eager) > 0)
         if not checks:
-            return tf.constant(False)
-        return checks[0] if len(checks) == 1 else tf.logical_or(checks[0], checks[1])
+            result = tf.constant(False)
+        else:
+            result = checks[0]
+            for check in checks[1:]:
+                result = tf.logical_or(result, check)
+        self._maybe_nonfinite = result
+        return result
 
     def _sum_vector(self) -> tf.Tensor:
         """The exact "sum" partials (NaN/Inf counts), lazy counts in one cond."""
@@ -309,8 +320,9 @@ class StatsBuilder:
         # Under XLA too: computing every count in place instead (no
         # conditional keeping the watched tensors alive) made the compile of
         # ResNet50 7x slower and 7.8 GB large on a CPU (bench/RESULTS.md).
-        triggers = _unique([specs[i].trigger for i in lazy])
-        maybe_nonfinite = tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.stack(triggers))))
+        # The eager counts (a loss's) are cheap scalars: checking them too
+        # only sends a step with a NaN loss to the exact branch.
+        maybe_nonfinite = self.maybe_nonfinite()
 
         def exact() -> tf.Tensor:
             return lazy_counts.exact_counts([specs[i] for i in lazy])
@@ -322,44 +334,55 @@ class StatsBuilder:
 
     def vector(self) -> tf.Tensor:
         """The packed float32 vector, reduced across replicas when needed."""
-        stacked = {
-            g: tf.stack(v) if v else tf.zeros([0], tf.float32) for g, v in self._partials.items()
-        }
-        stacked["sum"] = self._sum_vector()
-        ctx = tf.distribute.get_replica_context()
+        sums = self._sum_vector()
         replicas = replicas_in_sync()
-        local_first_nonfinite = self._local_first_nonfinite(stacked["sum"])
-        self.replica_first_nonfinite = tf.reshape(local_first_nonfinite, [1])
-        if replicas > 1:
-            sums = ctx.all_reduce(
-                tf.distribute.ReduceOp.SUM,
-                tf.concat([stacked["sum"], stacked["sumsq"], stacked["mean"]], 0),
+        if replicas == 1:
+            # One replica: nothing to reduce, and the host needs no
+            # per-replica first non-finite entry (it reads the vector itself).
+            self.replica_first_nonfinite = lazy_counts.graph_constant(
+                np.array([-1.0], np.float32)
             )
-            n_sum, n_sq = len(self._sum_specs), len(self._partials["sumsq"])
-            stacked["sum"] = sums[:n_sum]
-            stacked["sumsq"] = sums[n_sum : n_sum + n_sq]
-            stacked["mean"] = sums[n_sum + n_sq :] / float(replicas)
-            # One all_gather carries the extremes and each replica's first
-            # non-finite entry (which replica went non-finite first).
-            gathered = ctx.all_gather(
-                tf.stack(
-                    [tf.concat([-stacked["min"], stacked["max"], [local_first_nonfinite]], 0)]
-                ),
-                axis=0,
-            )
-            self.replica_first_nonfinite = gathered[:, -1]
-            extremes = tf.reduce_max(gathered[:, :-1], axis=0)
-            n_min = len(self._partials["min"])
-            stacked["min"] = -extremes[:n_min]
-            stacked["max"] = extremes[n_min:]
-        stacked["sumsq"] = tf.sqrt(2.0 * stacked["sumsq"])  # the partials are half sums
-        offsets, flat, start = {}, [], 0
-        for g in _GROUPS:
+            extremes = self._partials["min"] + self._partials["max"] + self._partials["mean"]
+            stacked = {"extremes": _stack(extremes), "sumsq": _stack(self._partials["sumsq"])}
+            return self._in_layout(stacked, sums, ("min", "max", "mean"))
+        stacked = {g: _stack(v) for g, v in self._partials.items()}
+        ctx = tf.distribute.get_replica_context()
+        local_first_nonfinite = self._local_first_nonfinite(sums)
+        reduced = ctx.all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.concat([sums, stacked["sumsq"], stacked["mean"]], 0)
+        )
+        n_sum, n_sq = len(self._sum_specs), len(self._partials["sumsq"])
+        sums = reduced[:n_sum]
+        stacked["sumsq"] = reduced[n_sum : n_sum + n_sq]
+        mean = reduced[n_sum + n_sq :] / float(replicas)
+        # One all_gather carries the extremes and each replica's first
+        # non-finite entry (which replica went non-finite first).
+        gathered = ctx.all_gather(
+            tf.stack([tf.concat([-stacked["min"], stacked["max"], [local_first_nonfinite]], 0)]),
+            axis=0,
+        )
+        self.replica_first_nonfinite = gathered[:, -1]
+        extremes = tf.reduce_max(gathered[:, :-1], axis=0)
+        n_min = len(self._partials["min"])
+        stacked["extremes"] = tf.concat([-extremes[:n_min], extremes[n_min:], mean], 0)
+        return self._in_layout(stacked, sums, ("min", "max", "mean"))
+
+    def _in_layout(self, stacked: dict, sums: tf.Tensor, extreme_groups: tuple) -> tf.Tensor:
+        """The vector in slot order from ``stacked["extremes"]`` (the groups
+        ``extreme_groups`` one after another), ``stacked["sumsq"]`` (half sums
+        of squares) and ``sums``."""
+        norms = tf.sqrt(2.0 * stacked["sumsq"])  # the partials are half sums
+        offsets, start = {}, 0
+        for g in (*extreme_groups, "sumsq", "sum"):
             offsets[g] = start
             start += self._group_size(g)
-            flat.append(stacked[g])
         index = [offsets[g] + i for g, i in self._layout]
-        return tf.gather(tf.concat(flat, 0), tf.constant(index, tf.int32))
+        flat = tf.concat([stacked["extremes"], norms, sums], 0)
+        return tf.gather(flat, lazy_counts.graph_constant(np.array(index, np.int32)))
+
+
+def _stack(values: list) -> tf.Tensor:
+    return tf.stack(values) if values else tf.zeros([0], tf.float32)
 
 
 def _in_slot_order(specs: list, eager: list[int], lazy: list[int], lazy_values) -> tf.Tensor:
