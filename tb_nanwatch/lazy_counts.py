@@ -31,7 +31,7 @@ HOLD_MIN_ELEMENTS = 16384
 _TRIGGER_ATTR = "_nanwatch_trigger"
 _FINITE_ATTR = "_nanwatch_trigger_is_finite"
 _HELD_ATTR = "_nanwatch_held"
-_EMPTY_ATTR = "_nanwatch_empty_when_finite"
+_SLICE_SIZE_ATTR = "_nanwatch_slice_size"
 _GRAPH_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -90,8 +90,11 @@ def held_if_non_finite(t: tf.Tensor, trigger_value: tf.Tensor) -> tf.Tensor:
     step's own ops that write into their input's buffer when they are its
     last user (``ReluGrad`` into the incoming gradient, the optimizer's
     ``Sub`` into a weight's gradient) would each allocate a fresh one. A
-    ``Switch`` on the tensor's own trigger, run as soon as the trigger is
-    known, lets go of the buffer on a healthy step. Eagerly, under XLA (which
+    ``Slice`` sized by the tensor's own trigger, run as soon as the trigger is
+    known, is the whole tensor (the same buffer, no copy) on a step where it
+    may be non-finite and an empty one otherwise: on a healthy step the
+    buffer is let go of. One op a tensor, and one ``Select`` per trigger
+    (a Switch/Merge hold took three ops a tensor). Eagerly, under XLA (which
     plans buffers itself) and for a tensor smaller than ``HOLD_MIN_ELEMENTS``
     (holding it costs less than the ops that would let it go), ``t`` is
     returned.
@@ -116,7 +119,7 @@ def held_if_non_finite(t: tf.Tensor, trigger_value: tf.Tensor) -> tf.Tensor:
 def _slice_size(trigger_value: tf.Tensor, rank: int) -> tf.Tensor:
     """The ``size`` of a Slice of a rank-``rank`` tensor that is all of it
     (all ``-1``) when ``trigger_value`` is non-finite, else nothing (all 0)."""
-    by_rank = _cache(trigger_value, _EMPTY_ATTR)
+    by_rank = _cache(trigger_value, _SLICE_SIZE_ATTR)
     if rank not in by_rank:
         # Select (not SelectV2): a scalar condition just forwards one input.
         by_rank[rank] = tf.raw_ops.Select(

@@ -339,9 +339,7 @@ class StatsBuilder:
         if replicas == 1:
             # One replica: nothing to reduce, and the host needs no
             # per-replica first non-finite entry (it reads the vector itself).
-            self.replica_first_nonfinite = lazy_counts.graph_constant(
-                np.array([-1.0], np.float32)
-            )
+            self.replica_first_nonfinite = lazy_counts.graph_constant(np.array([-1.0], np.float32))
             extremes = self._partials["min"] + self._partials["max"] + self._partials["mean"]
             stacked = {"extremes": _stack(extremes), "sumsq": _stack(self._partials["sumsq"])}
             return self._in_layout(stacked, sums, ("min", "max", "mean"))
