@@ -186,7 +186,8 @@ class DeviceRecord:
         Each item is ``(stats vector, replica_first_nonfinite)``: item ``r``
         of the latter is the ordinal of replica ``r``'s first non-finite
         diagnosed entry as that replica saw it before the cross-replica
-        reduction (the number of diagnosed entries when it had none).
+        reduction (the number of diagnosed entries when it had none); with
+        one replica it is not computed (-1): the vector itself says it.
         """
         if self._buffer is None:
             return []

@@ -342,7 +342,7 @@ class StatsBuilder:
             self.replica_first_nonfinite = lazy_counts.graph_constant(np.array([-1.0], np.float32))
             extremes = self._partials["min"] + self._partials["max"] + self._partials["mean"]
             stacked = {"extremes": _stack(extremes), "sumsq": _stack(self._partials["sumsq"])}
-            return self._in_layout(stacked, sums, ("min", "max", "mean"))
+            return self._in_layout(stacked, sums)
         stacked = {g: _stack(v) for g, v in self._partials.items()}
         ctx = tf.distribute.get_replica_context()
         local_first_nonfinite = self._local_first_nonfinite(sums)
@@ -363,15 +363,15 @@ class StatsBuilder:
         extremes = tf.reduce_max(gathered[:, :-1], axis=0)
         n_min = len(self._partials["min"])
         stacked["extremes"] = tf.concat([-extremes[:n_min], extremes[n_min:], mean], 0)
-        return self._in_layout(stacked, sums, ("min", "max", "mean"))
+        return self._in_layout(stacked, sums)
 
-    def _in_layout(self, stacked: dict, sums: tf.Tensor, extreme_groups: tuple) -> tf.Tensor:
-        """The vector in slot order from ``stacked["extremes"]`` (the groups
-        ``extreme_groups`` one after another), ``stacked["sumsq"]`` (half sums
+    def _in_layout(self, stacked: dict, sums: tf.Tensor) -> tf.Tensor:
+        """The vector in slot order from ``stacked["extremes"]`` (the min, max
+        and mean groups one after another), ``stacked["sumsq"]`` (half sums
         of squares) and ``sums``."""
         norms = tf.sqrt(2.0 * stacked["sumsq"])  # the partials are half sums
         offsets, start = {}, 0
-        for g in (*extreme_groups, "sumsq", "sum"):
+        for g in ("min", "max", "mean", "sumsq", "sum"):
             offsets[g] = start
             start += self._group_size(g)
         index = [offsets[g] + i for g, i in self._layout]
