@@ -68,19 +68,31 @@ def test_weight_copies_and_batch_stash_are_full_at_an_incident(tmp_path):
     assert watch._recorder.device.stashed_steps() == (truth["step"], truth["step"])
 
 
-def _counts_in_graph(tensors: list[np.ndarray], jit_compile: bool) -> np.ndarray:
+def _counts_in_graph(tensors: list[np.ndarray], jit_compile: bool, held: tuple = ()) -> np.ndarray:
+    """The exact counts of ``tensors`` built in a graph; the sources at the
+    indices ``held`` are first held on a non-finite trigger (their size is
+    then known only when the counts run)."""
+    traced_in_xla = []
+
     @tf.function(jit_compile=jit_compile)
-    def counts(*values):
+    def counts(nonfinite, *values):
+        traced_in_xla.append(lazy_counts.in_xla())
+        values = [
+            lazy_counts.held_if_non_finite(v, nonfinite) if i in held else v
+            for i, v in enumerate(values)
+        ]
         lazies = []
         for v in values:
             lazies += [
                 lazy_counts.LazyCount(kind, (v,), tf.constant(0.0)) for kind in ("nan", "inf")
             ]
         # An entry of two sources, as a layer with two outputs gives.
-        lazies.append(lazy_counts.LazyCount("nan", values[:2], tf.constant(0.0)))
+        lazies.append(lazy_counts.LazyCount("nan", tuple(values[:2]), tf.constant(0.0)))
         return lazy_counts.exact_counts(lazies)
 
-    return counts(*[tf.constant(t) for t in tensors]).numpy()
+    out = counts(tf.constant(float("nan")), *[tf.constant(t) for t in tensors]).numpy()
+    assert traced_in_xla == [jit_compile]  # the XLA path really was the one built
+    return out
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
@@ -102,3 +114,19 @@ def test_exact_counts_match_numpy_for_every_tensor(jit_compile):
         want += [np.isnan(t).sum(), np.isinf(t).sum()]
     want.append(np.isnan(tensors[0]).sum() + np.isnan(tensors[1]).sum())
     np.testing.assert_array_equal(_counts_in_graph(tensors, jit_compile), want)
+
+
+def test_exact_counts_of_held_sources_match_numpy(monkeypatch):
+    # Held sources have no static size: the branch measures theirs and
+    # takes the others' from the graph.
+    monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 0)
+    tensors = [
+        np.array([[1.0, np.nan], [np.inf, 2.0]], "float32"),
+        np.array([np.nan, np.nan, 3.0], "float32"),
+        np.array([-np.inf, 1.0, np.nan, 4.0, 5.0], "float32"),
+    ]
+    want = []
+    for t in tensors:
+        want += [np.isnan(t).sum(), np.isinf(t).sum()]
+    want.append(np.isnan(tensors[0]).sum() + np.isnan(tensors[1]).sum())
+    np.testing.assert_array_equal(_counts_in_graph(tensors, False, held=(0, 2)), want)
