@@ -121,8 +121,9 @@ def test_exact_counts_of_held_sources_match_numpy(monkeypatch):
     # takes the others' from the graph.
     monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 0)
     tensors = [
-        np.array([[1.0, np.nan], [np.inf, 2.0]], "float32"),
-        np.array([np.nan, np.nan, 3.0], "float32"),
+        # NaN/Inf next to the sources' boundaries: a size off by one shows.
+        np.array([[1.0, 2.0], [np.inf, np.nan]], "float32"),
+        np.array([np.inf, np.nan, 3.0], "float32"),
         np.array([-np.inf, 1.0, np.nan, 4.0, 5.0], "float32"),
     ]
     want = []
