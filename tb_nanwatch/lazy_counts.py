@@ -46,8 +46,7 @@ class LazyCount:
 
     def exact(self) -> tf.Tensor:
         """The count built as plain ops, now (float32 scalar)."""
-        counts = [exact_count(self.kind, t) for t in self.sources]
-        return counts[0] if len(counts) == 1 else tf.add_n(counts)
+        return scalar_total([exact_count(self.kind, t) for t in self.sources])
 
 
 def in_xla() -> bool:
@@ -128,6 +127,24 @@ def _slice_size(trigger_value: tf.Tensor, rank: int) -> tf.Tensor:
             y=graph_constant(np.full([rank], -1, np.int32)),
         )
     return by_rank[rank]
+
+
+def scalar_total(values: list[tf.Tensor]) -> tf.Tensor:
+    """The sum of one or more float32 scalars, never as an ``AddN`` of more
+    than two inputs.
+
+    For each such ``AddN`` in a graph, Grappler's memory optimizer simulates
+    the whole step's memory use, and it rewrites those whose inputs are live
+    at the simulated peak into a temporary variable with one ``AssignAdd`` per
+    input, simulating again after each rewrite. With one ``AddN`` over a
+    ResNet50's gradient norms that took 1.4 s of a first step instead of 0.6.
+    ``Pack`` + ``Sum`` is the same sum in two ops.
+    """
+    if len(values) == 1:
+        return values[0]
+    if len(values) == 2:
+        return values[0] + values[1]
+    return tf.reduce_sum(tf.stack(values))
 
 
 def graph_constant(value: np.ndarray) -> tf.Tensor:

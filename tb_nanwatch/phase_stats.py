@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tb_nanwatch import io_names, step_stats
+from tb_nanwatch import io_names, lazy_counts, step_stats
 from tb_nanwatch.taps import LayerTaps, StepTrace
 
 # Every op the statistics add to the step graph is created under this scope.
@@ -219,7 +219,11 @@ def _header_fields(inputs: StepInputs, grad_fields: list[dict]) -> dict:
         scale = tf.cast(scale, tf.float32)
     else:
         scale = tf.constant(1.0)
-    grad_sumsq = tf.add_n([f["norm"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
+    grad_sumsq = (
+        lazy_counts.scalar_total([f["norm"] for f in grad_fields])
+        if grad_fields
+        else tf.constant(0.0)
+    )
     skipped = _skipped_by_loss_scaler(grad_fields, grad_sumsq) if is_lso else tf.constant(0.0)
     lr = optimizer.learning_rate if optimizer is not None else 0.0
     iterations = optimizer.iterations if optimizer is not None else 0
@@ -259,7 +263,9 @@ def _skipped_by_loss_scaler(grad_fields: list[dict], grad_sumsq: tf.Tensor) -> t
         return tf.constant(0.0)
 
     def exact() -> tf.Tensor:
-        nonfinite = tf.add_n([step_stats.exact_nonfinite_count(f) for f in grad_fields])
+        nonfinite = lazy_counts.scalar_total(
+            [step_stats.exact_nonfinite_count(f) for f in grad_fields]
+        )
         return tf.cast(nonfinite > 0, tf.float32)
 
     return step_stats.rare_cond(tf.math.is_finite(grad_sumsq), lambda: tf.constant(0.0), exact)

@@ -34,7 +34,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from tb_nanwatch import lazy_counts
-from tb_nanwatch.lazy_counts import LazyCount
+from tb_nanwatch.lazy_counts import LazyCount, scalar_total
 from tb_nanwatch.schema import Schema
 
 # How each field reduces across replicas.
@@ -110,8 +110,7 @@ def replicas_in_sync() -> int:
 def exact_nonfinite_count(fields: dict) -> tf.Tensor:
     """The exact NaN + Inf count of an entry's fields, built afresh here
     (call it inside a ``tf.cond`` branch to pay for it only in that branch)."""
-    counts = [exact(fields[kind]) for kind in ("nan", "inf")]
-    return counts[0] + counts[1]
+    return scalar_total([exact(fields[kind]) for kind in ("nan", "inf")])
 
 
 def exact(count) -> tf.Tensor:
@@ -192,7 +191,7 @@ def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
         trigger = low + high
     else:
         triggers = [lazy_counts.trigger(t) for t in floating]
-        trigger = triggers[0] if len(triggers) == 1 else tf.add_n(triggers)
+        trigger = scalar_total(triggers)
     held = [lazy_counts.held_if_non_finite(t, trigger) for t in floating]
     return {**lazy_counts.counts_of(held, trigger), "min": low, "max": high}
 
@@ -209,7 +208,7 @@ def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
     squares = [half_sum_squares(g) for g in grads]
     # The sum of squares is NaN or Inf whenever a gradient holds one: it is
     # the trigger of the lazy counts, at no extra cost.
-    norm = squares[0] if len(squares) == 1 else tf.add_n(squares)
+    norm = scalar_total(squares)
     held = [lazy_counts.held_if_non_finite(g, s) for g, s in zip(grads, squares, strict=True)]
     return {**lazy_counts.counts_of(held, norm), "norm": norm}
 
@@ -298,7 +297,7 @@ class StatsBuilder:
             checks.append(tf.logical_not(tf.reduce_all(tf.math.is_finite(stacked))))
         eager = [s for s in specs if not isinstance(s, LazyCount)]
         if eager:
-            checks.append(tf.add_n(eager) > 0)
+            checks.append(scalar_total(eager) > 0)
         if not checks:
             result = tf.constant(False)
         else:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tb_nanwatch import step_stats
+from tb_nanwatch.lazy_counts import scalar_total
 
 __all__ = ["finite_check", "logit_extremes", "grad_norms"]
 
@@ -52,8 +53,8 @@ def finite_check(name: str, tensor, step=None) -> tf.Tensor:
     structure of tensors) is finite."""
     tensors = [t for t in _flat(tensor) if t.dtype.is_floating]
     zero = tf.constant(0.0)
-    nan = tf.add_n([step_stats.count_nan(t) for t in tensors]) if tensors else zero
-    inf = tf.add_n([step_stats.count_inf(t) for t in tensors]) if tensors else zero
+    nan = scalar_total([step_stats.count_nan(t) for t in tensors]) if tensors else zero
+    inf = scalar_total([step_stats.count_inf(t) for t in tensors]) if tensors else zero
     tf.summary.scalar(f"{name}/nan_count", nan, step=step)
     tf.summary.scalar(f"{name}/inf_count", inf, step=step)
     return tf.equal(nan + inf, 0.0)
@@ -107,11 +108,11 @@ def grad_norms(name: str, grads, variables=None, step=None, per_variable: bool =
             label = _variable_name(variables[i]) if variables is not None else f"grad_{i}"
             tf.summary.scalar(f"{name}/{label}", tf.sqrt(sq), step=step)
     zero = tf.constant(0.0)
-    norm = tf.sqrt(tf.add_n(squares)) if squares else zero
+    norm = tf.sqrt(scalar_total(squares)) if squares else zero
     tf.summary.scalar(f"{name}/global_norm", norm, step=step)
     tf.summary.scalar(
         f"{name}/nonfinite_count",
-        tf.add_n(nonfinite_counts) if nonfinite_counts else zero,
+        scalar_total(nonfinite_counts) if nonfinite_counts else zero,
         step=step,
     )
     return norm

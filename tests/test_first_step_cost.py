@@ -131,3 +131,42 @@ def test_exact_counts_of_held_sources_match_numpy(monkeypatch):
         want += [np.isnan(t).sum(), np.isinf(t).sum()]
     want.append(np.isnan(tensors[0]).sum() + np.isnan(tensors[1]).sum())
     np.testing.assert_array_equal(_counts_in_graph(tensors, False, held=(0, 2)), want)
+
+
+def test_no_addn_of_more_than_two_inputs_in_the_step_graph(tmp_path):
+    # Grappler's memory optimizer simulates the whole step's memory for each
+    # AddN of more than two inputs, and rewrites some into a temporary
+    # variable with one AssignAdd per input (seconds on a ResNet50).
+    import keras
+
+    import tb_nanwatch
+    from tb_nanwatch import phase_stats
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    left = keras.layers.Dense(8, activation="relu")(inputs)
+    right = keras.layers.Dense(8, activation="tanh")(inputs)
+    merged = keras.layers.Add()([left, right, inputs])
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(8)(merged)))
+    optimizer = keras.optimizers.Adam(1e-3)
+    watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
+    graphs = []
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
+            loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
+        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        rec.after_update()
+        graphs.append(tf.compat.v1.get_default_graph())
+        return loss
+
+    train_step(tf.ones((4, 8)), tf.ones((4, 1)))
+    watcher.end_step()
+    watcher.close()
+    ours = [op for op in graphs[-1].get_operations() if phase_stats.is_ours(op)]
+    assert len(model.trainable_variables) > 2  # so the gradient norm sums more than two
+    assert any(op.type == "L2Loss" for op in ours)  # the statistics were built
+    wide = [op.name for op in ours if op.type in ("AddN", "AccumulateNV2") and len(op.inputs) > 2]
+    assert not wide, wide
