@@ -192,8 +192,7 @@ def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
     else:
         triggers = [lazy_counts.trigger(t) for t in floating]
         trigger = scalar_total(triggers)
-    held = [lazy_counts.held_if_non_finite(t, trigger) for t in floating]
-    return {**lazy_counts.counts_of(held, trigger), "min": low, "max": high}
+    return {**lazy_counts.transient_counts_of(floating, trigger), "min": low, "max": high}
 
 
 def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
@@ -209,8 +208,7 @@ def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
     # The sum of squares is NaN or Inf whenever a gradient holds one: it is
     # the trigger of the lazy counts, at no extra cost.
     norm = scalar_total(squares)
-    held = [lazy_counts.held_if_non_finite(g, s) for g, s in zip(grads, squares, strict=True)]
-    return {**lazy_counts.counts_of(held, norm), "norm": norm}
+    return {**lazy_counts.transient_counts_of(grads, norm, hold_triggers=squares), "norm": norm}
 
 
 class SchemaOnlyBuilder:
@@ -316,9 +314,11 @@ class StatsBuilder:
         lazy = [i for i, s in enumerate(specs) if isinstance(s, LazyCount)]
         if not lazy:
             return tf.stack([specs[i] for i in eager])
-        # Under XLA too: computing every count in place instead (no
-        # conditional keeping the watched tensors alive) made the compile of
-        # ResNet50 7x slower and 7.8 GB large on a CPU (bench/RESULTS.md).
+        # Under XLA too, for what is left there: small tensors and weights,
+        # whose buffers live to the end of the step anyway (large activations
+        # and gradients are counted in conditionals of their own, see
+        # lazy_counts.transient_counts_of). Computing every count in place
+        # instead made the compile of ResNet50 7x slower (bench/RESULTS.md).
         # The eager counts (a loss's) are cheap scalars: checking them too
         # only sends a step with a NaN loss to the exact branch.
         maybe_nonfinite = self.maybe_nonfinite()

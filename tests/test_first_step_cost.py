@@ -170,3 +170,35 @@ def test_no_addn_of_more_than_two_inputs_in_the_step_graph(tmp_path):
     assert any(op.type == "L2Loss" for op in ours)  # the statistics were built
     wide = [op.name for op in ours if op.type in ("AddN", "AccumulateNV2") and len(op.inputs) > 2]
     assert not wide, wide
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, monkeypatch):
+    # Outside XLA they are held and counted at the end of the step; under XLA
+    # each entry is counted at once, in a conditional of its own.
+    monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 4)
+    entries = [
+        [np.array([[np.nan, 1.0], [np.inf, -np.inf]], "float32")],
+        [np.arange(6, dtype="float32"), np.array([np.nan, 2.0, 3.0, 4.0], "float32")],
+        [np.arange(8, dtype="float32")],  # finite: the conditional's other branch
+        [np.array([np.nan, 1.0], "float32")],  # too small to let go of: counted at the end
+    ]
+    built = []
+
+    @tf.function(jit_compile=jit_compile)
+    def counts(*flat):
+        values, out = list(flat), []
+        for entry in entries:
+            sources = [values.pop(0) for _ in entry]
+            trigger = tf.add_n([tf.reduce_sum(s) for s in sources])
+            fields = lazy_counts.transient_counts_of(sources, trigger)
+            built.append((lazy_counts.in_xla(), [type(fields[k]) for k in lazy_counts.KINDS]))
+            out += [step_stats.exact(fields[k]) for k in lazy_counts.KINDS]
+        return tf.stack(out)
+
+    got = counts(*[tf.constant(t) for entry in entries for t in entry]).numpy()
+    want = [int(sum(f(t).sum() for t in entry)) for entry in entries for f in (np.isnan, np.isinf)]
+    np.testing.assert_array_equal(got, want)
+    assert {in_xla for in_xla, _ in built} == {jit_compile}
+    lazy = [all(k is lazy_counts.LazyCount for k in kinds) for _, kinds in built]
+    assert lazy == ([False, False, False, True] if jit_compile else [True] * 4)

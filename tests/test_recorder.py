@@ -180,10 +180,12 @@ def test_same_diagnosis_when_every_tensor_is_let_go_of(build, tmp_path, monkeypa
     assert origin(watch.incident) == truth
 
 
-def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(jit_compile, tmp_path):
     # The exact NaN/Inf counts run in a cond at the end of the step. A watched
     # activation or gradient fed to it directly would stay in memory until
     # then, and ReluGrad and the optimizer could no longer write into it.
+    # Under XLA (no holds) each large one is counted in a conditional of its own.
     from tb_nanwatch import phase_stats
 
     keras.utils.set_random_seed(0)
@@ -201,10 +203,11 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
     )
     optimizer = keras.optimizers.Adam(1e-3)
     watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
-    conds = []
+    conds, traced_in_xla = [], []
 
-    @tf.function
+    @tf.function(jit_compile=jit_compile)
     def train_step(x, y):
+        traced_in_xla.append(lazy_counts.in_xla())
         with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
             loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
         grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
@@ -221,18 +224,43 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(tmp_path):
     train_step(tf.ones((8, 8)), tf.ones((8, 1)))
     watcher.end_step()
     watcher.close()
-    assert conds
-    inputs = [t for op in conds for t in op.inputs]
-    # From outside our statistics come only variables, the step's own
-    # arguments (the batch) and tensors too small to be worth letting go of.
-    fed = {
-        t.op.type
-        for t in inputs
-        if not phase_stats.is_ours(t.op)
-        and not (t.shape.num_elements() or 0) < lazy_counts.HOLD_MIN_ELEMENTS
-    }
-    assert fed <= {"Placeholder"}, fed
-    assert sum(t.op.type == "Slice" for t in inputs) >= 4  # the large ones, let go of
+    assert conds and set(traced_in_xla) == {jit_compile}
+
+    def large_outside(op) -> list:
+        # From outside our statistics: not variables, not the step's own
+        # arguments (the batch), not tensors too small to be worth letting go of.
+        return [
+            t
+            for t in op.inputs[1:]
+            if not phase_stats.is_ours(t.op)
+            and t.op.type != "Placeholder"
+            and not (t.shape.num_elements() or 0) < lazy_counts.HOLD_MIN_ELEMENTS
+        ]
+
+    if not jit_compile:
+        assert [t.name for op in conds for t in large_outside(op)] == []
+        inputs = [t for op in conds for t in op.inputs]
+        assert sum(t.op.type == "Slice" for t in inputs) >= 4  # the large ones, let go of
+        return
+    own = [op for op in conds if large_outside(op)]
+    assert len(own) >= 4  # the large activations and gradients
+    for op in own:
+        # One entry's tensors, whose own trigger decides: the predicate is
+        # computed from them, so the conditional runs as soon as they are read.
+        assert len(op.inputs) - 1 <= 2
+        for t in large_outside(op):
+            assert t.op in _ancestors(op.inputs[0].op), (op.name, t.name)
+
+
+def _ancestors(op, limit: int = 50) -> set:
+    seen, frontier = set(), [op]
+    while frontier and len(seen) < limit:
+        op = frontier.pop()
+        for t in op.inputs:
+            if t.op not in seen:
+                seen.add(t.op)
+                frontier.append(t.op)
+    return seen
 
 
 def test_rare_cond_stays_a_functional_if_and_takes_either_branch():
