@@ -15,7 +15,9 @@ statistics are built from as few ops as possible, each one full pass at most:
   whenever a source holds a NaN or an Inf. :meth:`StatsBuilder.vector` checks
   all triggers at once and computes the exact counts, in one ``tf.cond``
   branch, only when one of them is non-finite; otherwise every count is
-  exactly 0. The vector is bit-for-bit what the eager counts would give.
+  exactly 0 (under XLA a few entries at a time instead, see
+  ``lazy_counts.counts_in_chunks``).
+  The vector is bit-for-bit what the eager counts would give.
 * The trigger is a value the entry computes anyway where possible: ``min +
   max`` of an activation (where this device's min/max propagate NaN, probed
   once; not under XLA, whose min/max may drop a NaN), the sum of squares of a
@@ -314,13 +316,14 @@ class StatsBuilder:
         lazy = [i for i, s in enumerate(specs) if isinstance(s, LazyCount)]
         if not lazy:
             return tf.stack([specs[i] for i in eager])
-        # Under XLA too, for what is left there: small tensors and weights,
-        # whose buffers live to the end of the step anyway (large activations
-        # and gradients are counted in conditionals of their own, see
-        # lazy_counts.transient_counts_of). Computing every count in place
+        # Under XLA the counts are computed a few entries at a time (see
+        # lazy_counts.counts_in_chunks). Computing every count in place
         # instead made the compile of ResNet50 7x slower (bench/RESULTS.md).
         # The eager counts (a loss's) are cheap scalars: checking them too
         # only sends a step with a NaN loss to the exact branch.
+        if lazy_counts.in_xla():
+            lazy_values = lazy_counts.counts_in_chunks([specs[i] for i in lazy])
+            return _in_slot_order(specs, eager, lazy, lazy_values)
         maybe_nonfinite = self.maybe_nonfinite()
 
         def exact() -> tf.Tensor:

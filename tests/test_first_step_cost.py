@@ -175,30 +175,32 @@ def test_no_addn_of_more_than_two_inputs_in_the_step_graph(tmp_path):
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, monkeypatch):
     # Outside XLA they are held and counted at the end of the step; under XLA
-    # each entry is counted at once, in a conditional of its own.
+    # a few entries at a time (here 2), each chunk in a conditional of its own.
     monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 4)
+    monkeypatch.setattr(lazy_counts, "XLA_ENTRIES_PER_CONDITIONAL", 2)
     entries = [
         [np.array([[np.nan, 1.0], [np.inf, -np.inf]], "float32")],
         [np.arange(6, dtype="float32"), np.array([np.nan, 2.0, 3.0, 4.0], "float32")],
         [np.arange(8, dtype="float32")],  # finite: the conditional's other branch
+        [np.array([np.inf, np.nan, np.inf, np.inf], "float16")],
         [np.array([np.nan, 1.0], "float32")],  # too small to let go of: counted at the end
     ]
     built = []
 
     @tf.function(jit_compile=jit_compile)
     def counts(*flat):
-        values, out = list(flat), []
+        values, lazies = list(flat), []
         for entry in entries:
             sources = [values.pop(0) for _ in entry]
-            trigger = tf.add_n([tf.reduce_sum(s) for s in sources])
+            trigger = tf.add_n([tf.reduce_sum(tf.cast(s, tf.float32)) for s in sources])
             fields = lazy_counts.transient_counts_of(sources, trigger)
-            built.append((lazy_counts.in_xla(), [type(fields[k]) for k in lazy_counts.KINDS]))
-            out += [step_stats.exact(fields[k]) for k in lazy_counts.KINDS]
-        return tf.stack(out)
+            lazies += [fields[kind] for kind in lazy_counts.KINDS]
+        built.append((lazy_counts.in_xla(), [c.transient for c in lazies[::2]]))
+        if lazy_counts.in_xla():
+            return lazy_counts.counts_in_chunks(lazies)
+        return lazy_counts.exact_counts(lazies)
 
     got = counts(*[tf.constant(t) for entry in entries for t in entry]).numpy()
     want = [int(sum(f(t).sum() for t in entry)) for entry in entries for f in (np.isnan, np.isinf)]
     np.testing.assert_array_equal(got, want)
-    assert {in_xla for in_xla, _ in built} == {jit_compile}
-    lazy = [all(k is lazy_counts.LazyCount for k in kinds) for _, kinds in built]
-    assert lazy == ([False, False, False, True] if jit_compile else [True] * 4)
+    assert built == [(jit_compile, [jit_compile] * 4 + [False])]
