@@ -118,27 +118,34 @@ def transient_counts_of(
     return counts_of(held, trigger_value)
 
 
-def counts_in_chunks(counts: list[LazyCount]) -> tf.Tensor:
+def counts_in_chunks(counts: list[LazyCount], phases: list[str] | None = None) -> tf.Tensor:
     """Every count of ``counts`` as one float32 vector, in order, for XLA.
 
     The entries of transient counts, in the order they were added (the
     order the step computes them), are counted ``XLA_ENTRIES_PER_CONDITIONAL``
-    at a time, each chunk in a conditional on its own triggers that runs as
-    soon as its last entry is read; the other entries (small tensors, weights,
-    alive to the end anyway) in one more. A conditional per entry kept memory
-    lowest but XLA compiles each one on its own (ResNet50 on a CPU: 126 s to
-    the first step against 41 plain); one for all kept every tensor alive.
+    at a time, never two ``phases`` (one label a count) in one chunk, each
+    chunk in a conditional on its own triggers that runs as soon as its last
+    entry is read; the other entries (small tensors, weights, alive to the
+    end anyway) in one more. A conditional per entry kept memory lowest but
+    XLA compiles each one on its own (ResNet50 on a CPU: 126 s to the first
+    step against 41 plain); one for all kept every tensor alive.
     """
     if not counts:
         return tf.zeros([0], tf.float32)
+    phases = phases if phases is not None else [""] * len(counts)
     entries: dict[tuple, list] = {}  # (trigger, sources) -> [counts' indices]
     for i, c in enumerate(counts):
         entries.setdefault((id(c.trigger), tuple(id(t) for t in c.sources)), []).append(i)
-    transient = [e for e in entries.values() if counts[e[0]].transient]
-    chunks = [
-        transient[i : i + XLA_ENTRIES_PER_CONDITIONAL]
-        for i in range(0, len(transient), XLA_ENTRIES_PER_CONDITIONAL)
-    ]
+    chunks: list[list] = [[]]
+    for e in entries.values():
+        if not counts[e[0]].transient:
+            continue
+        last = chunks[-1]
+        if len(last) == XLA_ENTRIES_PER_CONDITIONAL or (
+            last and phases[last[0][0]] != phases[e[0]]
+        ):
+            chunks.append([])
+        chunks[-1].append(e)
     chunks.append([e for e in entries.values() if not counts[e[0]].transient])
     values, emitted = [], []  # emitted: the entries in the order of ``values``
     for chunk in chunks:

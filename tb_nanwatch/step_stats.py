@@ -243,6 +243,7 @@ class StatsBuilder:
         # The "sum" group (NaN/Inf counts), one a slot: a float32 tensor or a
         # LazyCount; ``_sum_vector`` turns them into values.
         self._sum_specs: list = []
+        self._sum_phases: list[str] = []  # the phase of each of _sum_specs' entries
         # What maybe_nonfinite() answered, and for how many of _sum_specs.
         self._maybe_nonfinite: tf.Tensor | None = None
         self._checked = 0
@@ -261,6 +262,7 @@ class StatsBuilder:
             value = fields[name]
             if group == "sum":
                 self._sum_specs.append(value if isinstance(value, LazyCount) else _f32(value))
+                self._sum_phases.append(phase)
             else:
                 self._partials[group].append(_f32(value))
         if kind != "header":
@@ -322,7 +324,9 @@ class StatsBuilder:
         # The eager counts (a loss's) are cheap scalars: checking them too
         # only sends a step with a NaN loss to the exact branch.
         if lazy_counts.in_xla():
-            lazy_values = lazy_counts.counts_in_chunks([specs[i] for i in lazy])
+            lazy_values = lazy_counts.counts_in_chunks(
+                [specs[i] for i in lazy], [self._sum_phases[i] for i in lazy]
+            )
             return _in_slot_order(specs, eager, lazy, lazy_values)
         maybe_nonfinite = self.maybe_nonfinite()
 

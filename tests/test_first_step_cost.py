@@ -185,7 +185,7 @@ def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, monkeypatch):
         [np.array([np.inf, np.nan, np.inf, np.inf], "float16")],
         [np.array([np.nan, 1.0], "float32")],  # too small to let go of: counted at the end
     ]
-    built = []
+    built, conditionals = [], []
 
     @tf.function(jit_compile=jit_compile)
     def counts(*flat):
@@ -196,11 +196,17 @@ def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, monkeypatch):
             fields = lazy_counts.transient_counts_of(sources, trigger)
             lazies += [fields[kind] for kind in lazy_counts.KINDS]
         built.append((lazy_counts.in_xla(), [c.transient for c in lazies[::2]]))
-        if lazy_counts.in_xla():
-            return lazy_counts.counts_in_chunks(lazies)
-        return lazy_counts.exact_counts(lazies)
+        if not lazy_counts.in_xla():
+            return lazy_counts.exact_counts(lazies)
+        # Chunks never span two phases: [0], [1, 2], [3], then the small one.
+        phases = [p for p in "abbbc" for _ in lazy_counts.KINDS]
+        out = lazy_counts.counts_in_chunks(lazies, phases)
+        graph = tf.compat.v1.get_default_graph()
+        conditionals.extend(o for o in graph.get_operations() if o.type in ("If", "StatelessIf"))
+        return out
 
     got = counts(*[tf.constant(t) for entry in entries for t in entry]).numpy()
     want = [int(sum(f(t).sum() for t in entry)) for entry in entries for f in (np.isnan, np.isinf)]
     np.testing.assert_array_equal(got, want)
     assert built == [(jit_compile, [jit_compile] * 4 + [False])]
+    assert len(conditionals) == (4 if jit_compile else 0)
