@@ -39,9 +39,10 @@ _SLICE_SIZE_ATTR = "_nanwatch_slice_size"
 _GRAPH_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 KINDS = ("nan", "inf")
 _INF_UNIT = 2**32
-# See counts_in_chunks: fewer conditionals for XLA to compile, each keeping
-# at most this many entries' tensors alive until the last one is read.
-XLA_ENTRIES_PER_CONDITIONAL = 8
+# See counts_in_chunks: about this many conditionals at most for XLA to
+# compile; as few entries a conditional (kept alive until the last one is
+# read) as that allows.
+XLA_MAX_CONDITIONALS = 48
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -122,13 +123,14 @@ def counts_in_chunks(counts: list[LazyCount], phases: list[str] | None = None) -
     """Every count of ``counts`` as one float32 vector, in order, for XLA.
 
     The entries of transient counts, in the order they were added (the
-    order the step computes them), are counted ``XLA_ENTRIES_PER_CONDITIONAL``
-    at a time, never two ``phases`` (one label a count) in one chunk, each
-    chunk in a conditional on its own triggers that runs as soon as its last
-    entry is read; the other entries (small tensors, weights, alive to the
-    end anyway) in one more. A conditional per entry kept memory lowest but
-    XLA compiles each one on its own (ResNet50 on a CPU: 126 s to the first
-    step against 41 plain); one for all kept every tensor alive.
+    order the step computes them), are counted a few at a time (one each
+    when there are at most ``XLA_MAX_CONDITIONALS``), never two ``phases``
+    (one label a count) in one chunk, each chunk in a conditional on its own
+    triggers that runs as soon as its last entry is read; the other entries
+    (small tensors, weights, alive to the end anyway) in one more. A
+    conditional per entry keeps memory lowest but XLA compiles each one on its
+    own (ResNet50's ~400 on a CPU: 126 s to the first step against 41 plain);
+    one for all kept every tensor alive.
     """
     if not counts:
         return tf.zeros([0], tf.float32)
@@ -136,14 +138,12 @@ def counts_in_chunks(counts: list[LazyCount], phases: list[str] | None = None) -
     entries: dict[tuple, list] = {}  # (trigger, sources) -> [counts' indices]
     for i, c in enumerate(counts):
         entries.setdefault((id(c.trigger), tuple(id(t) for t in c.sources)), []).append(i)
+    transient = [e for e in entries.values() if counts[e[0]].transient]
+    per_chunk = max(1, -(-len(transient) // XLA_MAX_CONDITIONALS))
     chunks: list[list] = [[]]
-    for e in entries.values():
-        if not counts[e[0]].transient:
-            continue
+    for e in transient:
         last = chunks[-1]
-        if len(last) == XLA_ENTRIES_PER_CONDITIONAL or (
-            last and phases[last[0][0]] != phases[e[0]]
-        ):
+        if len(last) == per_chunk or (last and phases[last[0][0]] != phases[e[0]]):
             chunks.append([])
         chunks[-1].append(e)
     chunks.append([e for e in entries.values() if not counts[e[0]].transient])

@@ -177,7 +177,7 @@ def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, monkeypatch):
     # Outside XLA they are held and counted at the end of the step; under XLA
     # a few entries at a time (here 2), each chunk in a conditional of its own.
     monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 4)
-    monkeypatch.setattr(lazy_counts, "XLA_ENTRIES_PER_CONDITIONAL", 2)
+    monkeypatch.setattr(lazy_counts, "XLA_MAX_CONDITIONALS", 2)  # 4 entries: 2 a chunk
     entries = [
         [np.array([[np.nan, 1.0], [np.inf, -np.inf]], "float32")],
         [np.arange(6, dtype="float32"), np.array([np.nan, 2.0, 3.0, 4.0], "float32")],
