@@ -321,13 +321,13 @@ class StatsBuilder:
         # Under XLA the counts are computed a few entries at a time (see
         # lazy_counts.counts_in_chunks). Computing every count in place
         # instead made the compile of ResNet50 7x slower (bench/RESULTS.md).
-        # The eager counts (a loss's) are cheap scalars: checking them too
-        # only sends a step with a NaN loss to the exact branch.
         if lazy_counts.in_xla():
             lazy_values = lazy_counts.counts_in_chunks(
                 [specs[i] for i in lazy], [self._sum_phases[i] for i in lazy]
             )
             return _in_slot_order(specs, eager, lazy, lazy_values)
+        # The eager counts (a loss's) are cheap scalars: checking them too
+        # only sends a step with a NaN loss to the exact branch.
         maybe_nonfinite = self.maybe_nonfinite()
 
         def exact() -> tf.Tensor:
