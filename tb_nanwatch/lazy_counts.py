@@ -294,14 +294,9 @@ def _cached(t: tf.Tensor, attr: str, make):
 
 
 def exact_counts(counts: list[LazyCount]) -> tf.Tensor:
-    """Every count of ``counts`` as one float32 vector, in order.
-
-    Under XLA (every size static, and each per-tensor count fuses into one
-    reduction that needs no buffer) one reduction per tensor and kind;
-    otherwise a few ops for all of them (see the module docstring).
-    """
-    if in_xla():
-        return tf.stack([c.exact() for c in counts])
+    """Every count of ``counts`` as one float32 vector, in order, in a few ops
+    for all of them (see the module docstring). Outside XLA; under XLA the
+    counts are :func:`counts_in_chunks`'."""
     sources: dict[int, tf.Tensor] = {}
     for c in counts:
         for t in c.sources:

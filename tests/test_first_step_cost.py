@@ -69,9 +69,10 @@ def test_weight_copies_and_batch_stash_are_full_at_an_incident(tmp_path):
 
 
 def _counts_in_graph(tensors: list[np.ndarray], jit_compile: bool, held: tuple = ()) -> np.ndarray:
-    """The exact counts of ``tensors`` built in a graph; the sources at the
-    indices ``held`` are first held on a non-finite trigger (their size is
-    then known only when the counts run)."""
+    """The exact counts of ``tensors`` built in a graph (under XLA, in the
+    conditionals XLA uses, taken on a non-finite trigger); the sources at the
+    indices ``held`` are first held on that trigger (their size is then known
+    only when the counts run)."""
     traced_in_xla = []
 
     @tf.function(jit_compile=jit_compile)
@@ -83,11 +84,11 @@ def _counts_in_graph(tensors: list[np.ndarray], jit_compile: bool, held: tuple =
         ]
         lazies = []
         for v in values:
-            lazies += [
-                lazy_counts.LazyCount(kind, (v,), tf.constant(0.0)) for kind in ("nan", "inf")
-            ]
+            lazies += [lazy_counts.LazyCount(kind, (v,), nonfinite) for kind in ("nan", "inf")]
         # An entry of two sources, as a layer with two outputs gives.
-        lazies.append(lazy_counts.LazyCount("nan", tuple(values[:2]), tf.constant(0.0)))
+        lazies.append(lazy_counts.LazyCount("nan", tuple(values[:2]), nonfinite))
+        if lazy_counts.in_xla():  # XLA counts in conditionals on the triggers
+            return lazy_counts.counts_in_chunks(lazies)
         return lazy_counts.exact_counts(lazies)
 
     out = counts(tf.constant(float("nan")), *[tf.constant(t) for t in tensors]).numpy()
