@@ -112,7 +112,7 @@ def replicas_in_sync() -> int:
 def exact_nonfinite_count(fields: dict) -> tf.Tensor:
     """The exact NaN + Inf count of an entry's fields, built afresh here
     (call it inside a ``tf.cond`` branch to pay for it only in that branch)."""
-    return scalar_total([exact(fields[kind]) for kind in ("nan", "inf")])
+    return scalar_total([exact(fields[kind]) for kind in lazy_counts.KINDS])
 
 
 def exact(count) -> tf.Tensor:
