@@ -76,10 +76,11 @@ def _floor_runner(model, optimizer, loss_fn, batches):
     @tf.function
     def step(x, y):
         with tf.GradientTape() as tape, taps.recording(tape) as trace:
-            loss = loss_fn(y, model(x, training=True))
+            y_pred = model(x, training=True)
+            loss = loss_fn(y, y_pred)
         grads = tape.gradient(loss, list(weights) + StepRecorder.watched_tensors(trace))
         optimizer.apply_gradients(zip(grads[: len(weights)], weights, strict=True))
-        sums = [tf.reduce_sum(t) for t in worker.floor_reads(trace, grads)]
+        sums = [tf.reduce_sum(t) for t in worker.floor_reads(trace, grads, y_pred)]
         sums += [tf.reduce_sum(v) for v in weights]  # read after the update
         return loss, tf.stack(sums)
 

@@ -47,18 +47,31 @@ ALL_MODELS = "resnet50,transformer,mlp,conv,lstm"
 COLUMNS = ("ttfs_s", "step_ms", "peak_rss_mb", "device_peak_mb")
 
 
-def gpu_names() -> list[str]:
-    """The GPUs TensorFlow sees in a fresh process (its own, so this one stays light)."""
+def gpu_names() -> tuple[list[str], str]:
+    """The GPUs TensorFlow sees in a fresh process (its own, so this one stays light).
+
+    Returns the device names and, when there are none, why: TensorFlow missing,
+    a build without CUDA, or a CUDA build that finds no device.
+    """
     code = (
-        "import json, tensorflow as tf; "
-        "print(json.dumps([d.name for d in tf.config.list_physical_devices('GPU')]))"
+        "import json, tensorflow as tf; print(json.dumps({"
+        "'version': tf.__version__, 'cuda': tf.test.is_built_with_cuda(), "
+        "'gpus': [d.name for d in tf.config.list_physical_devices('GPU')]}))"
     )
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
     )
     lines = out.stdout.strip().splitlines()
-    return json.loads(lines[-1]) if lines and lines[-1].startswith("[") else []
+    if out.returncode != 0 or not lines:
+        error = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return [], f"TensorFlow does not import in {sys.executable} ({error})"
+    found = json.loads(lines[-1])
+    if found["gpus"]:
+        return found["gpus"], ""
+    if not found["cuda"]:
+        return [], f"TensorFlow {found['version']} here is a build without CUDA"
+    return [], f"TensorFlow {found['version']} is built with CUDA but sees no GPU"
 
 
 def run_child(model: str, variant: str, args, jit: bool) -> dict:
@@ -175,9 +188,9 @@ def main() -> None:
     parser.add_argument("--json", help="write every run and row to this file")
     args = parser.parse_args()
 
-    gpus = gpu_names()
+    gpus, why_none = gpu_names()
     if args.gpu and not gpus:
-        print("No GPU: TensorFlow sees none on this machine, so there is no GPU table to make.")
+        print(f"No GPU table: {why_none}.")
         sys.exit(2)
     print(f"device: {', '.join(gpus) if gpus else 'CPU only'}; load average {os.getloadavg()}")
     variants = args.variants.split(",")

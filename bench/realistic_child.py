@@ -53,7 +53,9 @@ class FloorRecorder:
         import tensorflow as tf
         import worker
 
-        return [tf.reduce_sum(t) for t in worker.floor_reads(inputs.trace, inputs.grads)]
+        return [
+            tf.reduce_sum(t) for t in worker.floor_reads(inputs.trace, inputs.grads, inputs.y_pred)
+        ]
 
     def after_update(self, sums, weights):
         import tensorflow as tf

@@ -171,13 +171,17 @@ def _transformer(keras, vocab: int = 2000, width: int = 128, blocks: int = 4, se
     return inputs, outputs
 
 
-def floor_reads(trace, grads: list) -> list:
+def floor_reads(trace, grads: list, y_pred) -> list:
     """What the ``floor`` variants read once a step (besides every weight after
-    the update): each watched layer's output and every gradient NanWatch asks
-    for, each tensor once."""
+    the update): each watched layer's output (a model output's logits where
+    NanWatch reads those instead) and every gradient NanWatch asks for, each
+    tensor once."""
     import tensorflow as tf
 
-    outputs = [t for call in trace.calls for t in call.outputs]
+    from tb_nanwatch.phase_stats import logits_read_instead
+
+    instead = logits_read_instead(tf.nest.flatten(y_pred))
+    outputs = [instead.get(id(t), t) for call in trace.calls for t in call.outputs]
     grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
     return list({id(t): t for t in outputs + [g for g in grads if g is not None]}.values())
 

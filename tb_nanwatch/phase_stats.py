@@ -149,20 +149,36 @@ class PhaseStatistics:
         builder.add("input", "input", name, tensor, fields)
 
     def forward(self, builder, inputs: StepInputs) -> None:
-        """Every watched layer's output, then each model output's logits."""
-        for call in inputs.trace.calls:
-            fields = functools.partial(step_stats.tensor_fields, call.outputs)
-            builder.add("forward", "activation", call.path, f"output of {call.path}", fields)
+        """Every watched layer's output, then each model output's logits.
+
+        A softmax or sigmoid model output whose logits Keras's loss reads is
+        never computed by the step: its layer's entry reads those logits (see
+        :func:`logits_read_instead`), the same statistics as the logits entry.
+        """
         flat_pred = [t for t in tf.nest.flatten(inputs.y_pred) if t is not None]
+        instead = logits_read_instead(flat_pred)
+        made: dict[tuple, dict] = {}  # the statistics of each list of tensors read
+
+        def fields_of(tensors: list) -> dict:
+            key = tuple(id(t) for t in tensors)
+            if key not in made:
+                made[key] = step_stats.tensor_fields(tensors)
+            return made[key]
+
+        for call in inputs.trace.calls:
+            read = [instead.get(id(t), t) for t in call.outputs]
+            tensor = f"output of {call.path}"
+            if any(id(t) in instead for t in call.outputs):
+                tensor = f"logits of {call.path}, which the loss reads in place of its output"
+            builder.add(
+                "forward", "activation", call.path, tensor, functools.partial(fields_of, read)
+            )
         output_names = io_names.output_names(inputs.model, len(flat_pred))
         for name, t in zip(output_names, flat_pred, strict=False):
-            logits = getattr(t, "_keras_logits", None)
             tensor = f"model output {name}"
-            if logits is not None:
+            if id(t) in instead:
                 tensor = f"logits of model output {name} (before the final activation)"
-            fields = functools.partial(
-                step_stats.tensor_fields, [logits if logits is not None else t]
-            )
+            fields = functools.partial(fields_of, [instead.get(id(t), t)])
             builder.add("forward", "logits", name, tensor, fields)
 
     def loss(self, builder, inputs: StepInputs) -> None:
@@ -269,6 +285,24 @@ def _skipped_by_loss_scaler(grad_fields: list[dict], grad_sumsq: tf.Tensor) -> t
         return tf.cast(nonfinite > 0, tf.float32)
 
     return step_stats.rare_cond(tf.math.is_finite(grad_sumsq), lambda: tf.constant(0.0), exact)
+
+
+def logits_read_instead(outputs: list) -> dict[int, tf.Tensor]:
+    """``{id(output): logits}`` for each of the model's ``outputs`` that carries
+    the logits it was computed from (``_keras_logits``: Keras's softmax and
+    sigmoid keep them for its losses).
+
+    Keras's losses read those logits, not the probabilities, so the step never
+    computes such an output: reading it would add the whole activation to
+    every step (a 2000-way softmax over the transformer's batch). The logits
+    are read in its place.
+    """
+    instead = {}
+    for t in outputs:
+        logits = getattr(t, "_keras_logits", None)
+        if logits is not None:
+            instead[id(t)] = logits
+    return instead
 
 
 def _loss_fields(value) -> dict:

@@ -211,3 +211,47 @@ def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, monkeypatch):
     np.testing.assert_array_equal(got, want)
     assert built == [(jit_compile, [jit_compile] * 4 + [False])]
     assert len(conditionals) == (4 if jit_compile else 0)
+
+
+def test_a_softmax_output_the_loss_never_reads_is_not_computed(tmp_path, monkeypatch):
+    # Keras's losses read a softmax output's logits, so the plain step never
+    # computes the softmax (a 2000-way one over a transformer's batch). The
+    # watched step must not either: the output layer's entry reads the logits.
+    import keras
+
+    import tb_nanwatch
+    from tb_nanwatch import train_step
+
+    graphs = []
+    traced = train_step.recorded_train_step
+
+    def recorded(recorder, data):
+        out = traced(recorder, data)
+        graphs.append(tf.compat.v1.get_default_graph())
+        return out
+
+    monkeypatch.setattr(train_step, "recorded_train_step", recorded)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="hidden"),
+            keras.layers.Dense(5, activation="softmax", name="out"),
+        ]
+    )
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    x = np.random.default_rng(0).standard_normal((16, 8)).astype("float32")
+    model.fit(x, np.arange(16) % 5, batch_size=8, epochs=1, verbose=0, callbacks=[watch])
+
+    softmax = [op for op in graphs[-1].get_operations() if op.type == "Softmax"]
+    assert softmax  # Keras built it; nothing of the step runs it
+    assert [c.name for op in softmax for c in op.outputs[0].consumers()] == []
+    schema = watch.journal.schema
+    (out,) = [e for e in schema.find(kind="activation") if e.layer == "out"]
+    (logits,) = schema.find(kind="logits")
+    assert out.tensor.startswith("logits of out") and logits.tensor.startswith("logits of")
+    _, rows = watch.journal.flight_window()
+    recorded = {e.tensor: schema.values(rows[-1], e) for e in (out, logits)}
+    assert recorded[out.tensor] == recorded[logits.tensor]
+    assert recorded[out.tensor]["min"] < 0 < recorded[out.tensor]["max"]  # not probabilities
