@@ -47,8 +47,9 @@ ALL_MODELS = "resnet50,transformer,mlp,conv,lstm"
 COLUMNS = ("ttfs_s", "step_ms", "peak_rss_mb", "device_peak_mb")
 
 
-def gpu_names() -> tuple[list[str], str]:
-    """The GPUs TensorFlow sees in a fresh process (its own, so this one stays light).
+def gpu_names(python: str = sys.executable) -> tuple[list[str], str]:
+    """The GPUs TensorFlow sees in a fresh ``python`` process (its own, so
+    this one stays light).
 
     Returns the device names and, when there are none, why: TensorFlow missing,
     a build without CUDA, or a CUDA build that finds no device.
@@ -59,13 +60,11 @@ def gpu_names() -> tuple[list[str], str]:
         "'gpus': [d.name for d in tf.config.list_physical_devices('GPU')]}))"
     )
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
-    )
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, check=False)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
         error = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return [], f"TensorFlow does not import in {sys.executable} ({error})"
+        return [], f"TensorFlow does not import in {python} ({error})"
     found = json.loads(lines[-1])
     if found["gpus"]:
         return found["gpus"], ""
