@@ -330,10 +330,7 @@ def _largest_layer(case: _Case) -> tuple[str | None, float | None]:
 
 
 def _outputs_probabilities(case: _Case) -> bool:
-    return any(
-        e.tensor.startswith("logits (before the final activation)")
-        for e in case.rec.schema.find(kind="logits")
-    )
+    return any(e.before_final_activation for e in case.rec.schema.find(kind="logits"))
 
 
 def growth_overflow(case: _Case) -> dict | None:

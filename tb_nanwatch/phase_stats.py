@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from tb_nanwatch import io_names, lazy_counts, step_stats
+from tb_nanwatch.schema import BEFORE_FINAL_ACTIVATION
 from tb_nanwatch.taps import LayerTaps, StepTrace
 
 # Every op the statistics add to the step graph is created under this scope.
@@ -151,9 +152,11 @@ class PhaseStatistics:
     def forward(self, builder, inputs: StepInputs) -> None:
         """Every watched layer's output, then each model output's logits.
 
-        A softmax or sigmoid model output whose logits Keras's loss reads is
-        never computed by the step: its layer's entry reads those logits (see
-        :func:`logits_read_instead`), the same statistics as the logits entry.
+        A softmax or sigmoid model output carries the logits it came from,
+        and Keras's cross-entropy reads those: the plain step never computes
+        the probabilities. Its layer's entry reads the logits too (see
+        :func:`logits_read_instead`), the same statistics as the logits entry,
+        so that watching adds no softmax to the step.
         """
         flat_pred = [t for t in tf.nest.flatten(inputs.y_pred) if t is not None]
         instead = logits_read_instead(flat_pred)
@@ -169,7 +172,7 @@ class PhaseStatistics:
             read = [instead.get(id(t), t) for t in call.outputs]
             tensor = f"output of {call.path}"
             if any(id(t) in instead for t in call.outputs):
-                tensor = f"logits of {call.path}, which the loss reads in place of its output"
+                tensor = f"logits of {call.path} {BEFORE_FINAL_ACTIVATION}"
             builder.add(
                 "forward", "activation", call.path, tensor, functools.partial(fields_of, read)
             )
@@ -177,7 +180,7 @@ class PhaseStatistics:
         for name, t in zip(output_names, flat_pred, strict=False):
             tensor = f"model output {name}"
             if id(t) in instead:
-                tensor = f"logits of model output {name} (before the final activation)"
+                tensor = f"logits of model output {name} {BEFORE_FINAL_ACTIVATION}"
             fields = functools.partial(fields_of, [instead.get(id(t), t)])
             builder.add("forward", "logits", name, tensor, fields)
 

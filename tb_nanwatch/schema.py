@@ -35,6 +35,11 @@ FIELDS = {
 }
 
 
+# Ends the text of an entry that reads the logits of a sigmoid or softmax
+# output instead of its probabilities (see Entry.before_final_activation).
+BEFORE_FINAL_ACTIVATION = "(before the final activation)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One watched tensor: where it lives in the vector and what it is."""
@@ -48,6 +53,11 @@ class Entry:
     @property
     def fields(self) -> tuple[str, ...]:
         return FIELDS[self.kind]
+
+    @property
+    def before_final_activation(self) -> bool:
+        """Whether this entry reads the logits of a sigmoid or softmax output."""
+        return self.tensor.endswith(BEFORE_FINAL_ACTIVATION)
 
     @property
     def size(self) -> int:

@@ -20,7 +20,7 @@ import pytest
 
 from tb_nanwatch import causes, hints, reader
 from tb_nanwatch.journal import JournalSettings, RunJournal
-from tb_nanwatch.schema import Schema
+from tb_nanwatch.schema import BEFORE_FINAL_ACTIVATION, Schema
 
 LAYERS = ["dense_0", "dense_1", "dense_2", "dense_3"]
 CLEAN_START = {"weights_at_start": {"checked": 8, "nonfinite": []}}
@@ -33,8 +33,9 @@ def make_schema(layers=LAYERS, probabilities: bool = False) -> Schema:
     schema.add("input", "input", "target/y", "target target/y")
     for name in layers:
         schema.add("forward", "activation", name, f"output of {name}")
-    what = "logits (before the final activation)" if probabilities else "output"
-    schema.add("forward", "logits", "out", f"{what} of model output out")
+    # The recorder's own texts (tb_nanwatch.phase_stats.PhaseStatistics.forward).
+    what = f"logits of model output out {BEFORE_FINAL_ACTIVATION}"
+    schema.add("forward", "logits", "out", what if probabilities else "model output out")
     schema.add("loss", "loss", None, "total loss")
     for name in reversed(layers):
         schema.add("backward", "grad_out", name, f"gradient w.r.t. output of {name}")

@@ -124,3 +124,28 @@ def test_a_healthy_noisy_run_has_no_cause(tmp_path):
     watch = _fit(_mlp(3, 16), x, y, tmp_path / "run", keras.optimizers.Adam(1e-3))
     assert watch.incident is None
     assert _cause(tmp_path) is None
+
+
+def test_an_exploding_softmax_model_is_told_to_compute_its_loss_from_logits(tmp_path):
+    # The remedy rests on the recorder's text for a softmax output's logits
+    # (schema.BEFORE_FINAL_ACTIVATION); a linear head must not get it.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60 * BATCH, 16)).astype("float32")
+    remedies = {}
+    for head in ("softmax", None):
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((16,))
+        h = inp
+        for i in range(3):
+            h = keras.layers.Dense(16, name=f"dense_{i}")(h)
+        model = keras.Model(inp, keras.layers.Dense(4, activation=head, name="head")(h))
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=head is None)
+        run_dir = tmp_path / str(head)
+        watch = _fit(model, x, np.arange(len(x)) % 4, run_dir, keras.optimizers.SGD(3.0), loss)
+        assert watch.incident is not None, head
+        cause = _cause(run_dir)
+        assert cause["id"] == "growth_overflow", cause
+        remedies[head] = cause["remedies"]
+    from_logits = "Compute the loss from logits (from_logits=True, no final activation)."
+    assert from_logits in remedies["softmax"]
+    assert from_logits not in remedies[None]
