@@ -224,7 +224,7 @@ def saturated_output(rec: Record) -> dict | None:
     """(c) loss broke on a saturated final sigmoid/softmax: use from_logits."""
     if rec.phase != "loss" or rec.step is None:
         return None
-    entries = [e for e in rec.schema.find(kind="logits") if e.tensor.startswith("logits")]
+    entries = [e for e in rec.schema.find(kind="logits") if e.before_final_activation]
     if not entries:
         return None
     best, output = -math.inf, None

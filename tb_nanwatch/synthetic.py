@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 
 from tb_nanwatch.journal import JournalSettings, RunJournal
-from tb_nanwatch.schema import Schema
+from tb_nanwatch.schema import BEFORE_FINAL_ACTIVATION, Schema
 
 
 def build_schema(num_layers: int, num_inputs: int = 1) -> Schema:
@@ -23,7 +23,8 @@ def build_schema(num_layers: int, num_inputs: int = 1) -> Schema:
         schema.add("input", "input", f"input_{i}", f"model input input_{i}")
     for name in names:
         schema.add("forward", "activation", name, f"output of {name}")
-    schema.add("forward", "logits", names[-1], f"logits of {names[-1]}")
+    logits = f"logits of model output {names[-1]} {BEFORE_FINAL_ACTIVATION}"
+    schema.add("forward", "logits", names[-1], logits)
     schema.add("loss", "loss", None, "total loss")
     schema.add("loss", "loss", names[-1], f"loss of output {names[-1]}")
     for name in reversed(names):
