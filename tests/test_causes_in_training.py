@@ -26,13 +26,13 @@ def _fit(model, x, y, run_dir, optimizer, loss="mse", steps=None):
     return watch
 
 
-def _mlp(depth: int, width: int, seed: int = 0) -> keras.Model:
+def _mlp(depth: int, width: int, seed: int = 0, outputs: int = 1, head=None) -> keras.Model:
     keras.utils.set_random_seed(seed)
     inp = keras.Input((width,))
     h = inp
     for i in range(depth):
         h = keras.layers.Dense(width, name=f"dense_{i}")(h)
-    return keras.Model(inp, keras.layers.Dense(1, name="head")(h))
+    return keras.Model(inp, keras.layers.Dense(outputs, activation=head, name="head")(h))
 
 
 def test_a_learning_rate_far_too_high_is_growth_overflow(tmp_path):
@@ -133,12 +133,7 @@ def test_an_exploding_softmax_model_is_told_to_compute_its_loss_from_logits(tmp_
     x = rng.normal(size=(60 * BATCH, 16)).astype("float32")
     remedies = {}
     for head in ("softmax", None):
-        keras.utils.set_random_seed(0)
-        inp = keras.Input((16,))
-        h = inp
-        for i in range(3):
-            h = keras.layers.Dense(16, name=f"dense_{i}")(h)
-        model = keras.Model(inp, keras.layers.Dense(4, activation=head, name="head")(h))
+        model = _mlp(3, 16, outputs=4, head=head)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=head is None)
         run_dir = tmp_path / str(head)
         watch = _fit(model, x, np.arange(len(x)) % 4, run_dir, keras.optimizers.SGD(3.0), loss)
