@@ -20,11 +20,15 @@ Each variant's memory is measured too: the peak bytes a step allocates above
 what was resident before it (TensorFlow's allocator statistics), the least
 over 5 steps.
 
-It measures the custom-loop front end (the callback's step is the same
-recorder; ``fit``'s own loop is not in it), including the host side
-(``end_step``: one fetch, the journal).
+By default it measures the custom-loop front end (``StepWatcher``, the host
+side included: ``end_step``, one read of the row, the journal). With
+``--front-end fit`` each step is what ``fit`` runs: Keras' train function on
+one batch and NanWatch's ``on_train_batch_end`` (the row comes back with the
+step's outputs, no read); Keras' own loop around them is the same for every
+variant and left out.
 
     python bench/paired.py                      # mlp, ~1 min
+    python bench/paired.py --front-end fit      # the same through fit's path
     python bench/paired.py --models mlp,lstm --pairs 2000 --json out.json
 """
 
@@ -111,7 +115,36 @@ def _watched_runner(model, optimizer, loss_fn, batches, watcher):
     return run
 
 
-def make_steps(spec: str, variants: list[str], log_root: str) -> dict:
+def _fit_runner(model, batches, variant: str, log_dir: str):
+    """One step of ``fit``'s own path: Keras' train function on one batch,
+    then what ``fit`` calls after it (NanWatch's ``on_train_batch_end``)."""
+    from realistic_child import FloorRecorder
+
+    import tb_nanwatch
+    from tb_nanwatch import train_step
+
+    callback = None
+    if variant == "floor":
+        floor = FloorRecorder(model)
+        floor.taps.install()
+        train_step.instrument(model, floor)
+    elif variant == "nanwatch":
+        callback = tb_nanwatch.NanWatch(log_dir)
+        callback.set_model(model)
+        callback.on_train_begin()
+        callback.on_epoch_begin(0)
+    else:
+        model.make_train_function()
+
+    def run(i: int) -> None:
+        logs = model.train_function(iter([batches[i % len(batches)]]))
+        if callback is not None:
+            callback.on_train_batch_end(i, logs)
+
+    return run
+
+
+def make_steps(spec: str, variants: list[str], log_root: str, front_end: str = "loop") -> dict:
     """One runner per variant, each on its own copy of the same model."""
     import keras
     import tensorflow as tf
@@ -131,7 +164,9 @@ def make_steps(spec: str, variants: list[str], log_root: str) -> dict:
         ]
         optimizer = keras.optimizers.Adam(1e-3)
         loss_fn = keras.losses.SparseCategoricalCrossentropy()
-        if variant == "plain":
+        if front_end == "fit":
+            run = _fit_runner(model, batches, variant, os.path.join(log_root, f"{spec}-fit"))
+        elif variant == "plain":
             run = _plain_runner(model, optimizer, loss_fn, batches)
         elif variant == "floor":
             run = _floor_runner(model, optimizer, loss_fn, batches)
@@ -164,8 +199,10 @@ def peak_step_memory(run, steps: int = 5) -> int:
     return min(peaks)
 
 
-def measure(spec: str, pairs: int, variants: list[str], log_root: str) -> dict:
-    steps = make_steps(spec, variants, log_root)
+def measure(
+    spec: str, pairs: int, variants: list[str], log_root: str, front_end: str = "loop"
+) -> dict:
+    steps = make_steps(spec, variants, log_root, front_end)
     peaks = {v: peak_step_memory(steps[v]) for v in variants}
     times = {v: np.zeros(pairs) for v in variants}
     order = list(variants)
@@ -189,22 +226,31 @@ def measure(spec: str, pairs: int, variants: list[str], log_root: str) -> dict:
                 "step_peak_bytes": int(peaks[v]),
             }
         )
-    return {"model": spec, "pairs": pairs, "rows": rows}
+    return {"model": spec, "front_end": front_end, "pairs": pairs, "rows": rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp")
     parser.add_argument("--pairs", type=int, default=1500)
+    parser.add_argument(
+        "--front-end",
+        choices=["loop", "fit"],
+        default="loop",
+        help="loop: a custom training loop with StepWatcher; fit: Keras' train "
+        "function with the NanWatch callback, as fit calls them",
+    )
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args()
-    variants = ["plain", "floor", "nanwatch", "nanwatch_every_step"]
+    variants = ["plain", "floor", "nanwatch"]
+    if args.front_end == "loop":
+        variants.append("nanwatch_every_step")
     results = []
     with tempfile.TemporaryDirectory(prefix="nwpaired-") as log_root:
         for spec in args.models.split(","):
-            result = measure(spec, args.pairs, variants, log_root)
+            result = measure(spec, args.pairs, variants, log_root, args.front_end)
             results.append(result)
-            print(f"== {spec} ({args.pairs} pairs)")
+            print(f"== {spec}, {args.front_end} ({args.pairs} pairs)")
             for row in result["rows"]:
                 print(
                     f"  {row['variant']:22s} median {row['median_ms']:7.2f} ms/step  "

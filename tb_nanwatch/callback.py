@@ -118,7 +118,7 @@ class NanWatch(keras.callbacks.Callback):
     @property
     def journal(self) -> RunJournal | None:
         """The record of the last ``fit`` (None until its first step)."""
-        return self._session.journal if self._session is not None else None
+        return self._session.settled_journal() if self._session is not None else None
 
     # -- lifecycle -----------------------------------------------------------
 

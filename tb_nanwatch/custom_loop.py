@@ -157,7 +157,8 @@ class StepWatcher:
 
     @property
     def journal(self) -> RunJournal | None:
-        return self.session.journal
+        """The run's record (None until the first step)."""
+        return self.session.settled_journal()
 
     def begin_epoch(self, epoch: int) -> None:
         """Optional: label the following steps with ``epoch`` (batch from 0)."""

@@ -208,6 +208,17 @@ class RunDiagnosis:
         low, high = self.signal_reader.logit_range(vector)
         return StepSignals(self.header(vector, "loss"), self.header(vector, "grad_norm"), low, high)
 
+    def may_be_incident(self, vector: np.ndarray) -> bool:
+        """Whether judging ``vector`` (the next step) may declare the run's
+        incident: none is known yet, and a count is non-zero or the loss
+        scaler skipped the step. False means :meth:`judge` returns no incident."""
+        if self.incident is not None:
+            return False
+        _, nan_index, inf_index = _diagnosed_index(self.schema)
+        vector = np.asarray(vector)
+        skipped = vector[self._header["skipped"]] != 0
+        return bool(skipped or (vector[nan_index] != 0).any() or (vector[inf_index] != 0).any())
+
     def judge(self, place: StepPlace, vector: np.ndarray) -> Verdict:
         """The verdict of the next step; ``vector`` is its statistics.
 

@@ -9,6 +9,7 @@ the synthetic-run generator of the benchmark.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -42,11 +43,14 @@ ONSET_SNAPSHOT_RADIUS = 8
 
 def _locked(method):
     """Runs a journal method under the journal's lock (crash_safety flushes
-    from another thread and from signal handlers)."""
+    from another thread), after recording the steps still queued for the
+    background worker (see :meth:`RunJournal.submit`): what it reads or
+    writes is then up to date."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._lock:
+            self._record_queued()
             return method(self, *args, **kwargs)
 
     return wrapper
@@ -133,11 +137,77 @@ class RunJournal:
         self._last_flush = time.monotonic()
         # -- crash safety (see tb_nanwatch.crash_safety) --
         self._lock = threading.RLock()
+        # Steps submitted to the background worker, not recorded yet (see submit).
+        self._queued: collections.deque = collections.deque()
+        self._queue_ready = threading.Condition(threading.RLock())
+        self._worker: threading.Thread | None = None
+        self._worker_error: Exception | None = None
         self._flushed_steps = 0
         self.closed = False
         crash_safety.watch(self)
 
     # -- per step ---------------------------------------------------------
+
+    def submit(
+        self, step: int, epoch: int, batch: int, vector: np.ndarray, extra: dict | None = None
+    ) -> dict | None:
+        """Records one step as :meth:`record` does, off the training thread
+        when it cannot be the run's incident.
+
+        A step that may be the run's incident (see
+        :meth:`~tb_nanwatch.diagnosis.RunDiagnosis.may_be_incident`) is
+        recorded now and its incident returned. Any other step is queued and recorded by a worker thread,
+        which runs while the next train step computes (TensorFlow releases
+        the GIL): the diagnosis, series and files cost the training thread
+        nothing. Every locked method, :meth:`close` and :meth:`settle` first
+        records what is queued, in step order. An error of the worker is
+        raised by the next ``submit``.
+        """
+        if self.closed:
+            raise RuntimeError("the record is closed")
+        self._raise_worker_error()
+        vector = self._shaped(vector)
+        if self.diagnosis.may_be_incident(vector):
+            return self.record(step, epoch, batch, vector, extra)
+        with self._queue_ready:
+            self._queued.append((step, epoch, batch, vector, extra))
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._work, name="nanwatch-journal", daemon=True
+                )
+                self._worker.start()
+            self._queue_ready.notify()
+        return None
+
+    @_locked
+    def settle(self) -> None:
+        """Records every submitted step now (the journal's fields are then current)."""
+        self._raise_worker_error()
+
+    def _work(self) -> None:
+        while True:
+            with self._queue_ready:
+                while not self._queued and not self.closed:
+                    self._queue_ready.wait()
+                if not self._queued:
+                    return
+            with self._lock:
+                self._record_queued()
+
+    def _record_queued(self) -> None:
+        """Records the queued steps, in order (the caller holds the lock).
+        Never raises: an error is kept for the next submit, the rest dropped."""
+        while self._queued:
+            try:
+                self._record_step(*self._queued.popleft())
+            except Exception as error:  # noqa: BLE001 - raised by the next submit
+                self._worker_error = self._worker_error or error
+                self._queued.clear()
+
+    def _raise_worker_error(self) -> None:
+        error, self._worker_error = self._worker_error, None
+        if error is not None:
+            raise error
 
     @_locked
     def record(
@@ -149,6 +219,12 @@ class RunJournal:
         incident if this step becomes one. The run summary is written with
         the first step (the run exists on disk from then on).
         """
+        self._raise_worker_error()
+        return self._record_step(step, epoch, batch, vector, extra)
+
+    def _record_step(
+        self, step: int, epoch: int, batch: int, vector: np.ndarray, extra: dict | None
+    ) -> dict | None:
         if self.closed:
             raise RuntimeError("the record is closed")
         vector = self._checked(step, vector)
@@ -180,13 +256,18 @@ class RunJournal:
 
     def _checked(self, step: int, vector: np.ndarray) -> np.ndarray:
         """``vector`` as float32, or a ValueError for a wrong shape or step."""
+        vector = self._shaped(vector)
+        if step != self.steps:
+            raise ValueError(f"steps must be recorded in order: expected {self.steps}, got {step}")
+        return vector
+
+    def _shaped(self, vector: np.ndarray) -> np.ndarray:
+        """``vector`` as float32, or a ValueError for a wrong shape."""
         vector = np.asarray(vector, np.float32)
         if vector.shape != (self.schema.size,):
             raise ValueError(
                 f"stats vector has shape {vector.shape}, schema expects ({self.schema.size},)"
             )
-        if step != self.steps:
-            raise ValueError(f"steps must be recorded in order: expected {self.steps}, got {step}")
         return vector
 
     def _append_row(
@@ -309,6 +390,7 @@ class RunJournal:
         final summary (the process is about to end, see crash_safety)."""
         self._lock.acquire()
         try:
+            self._record_queued()
             self._close(status)
         finally:
             if not hold:
@@ -325,13 +407,15 @@ class RunJournal:
             self.explosion_onset = explosion
         self.flush()
         self.writer.close()
+        with self._queue_ready:
+            self._queue_ready.notify()  # the worker, if any, ends
 
     # -- crash safety (used by tb_nanwatch.crash_safety) ---------------------
 
     @property
     def dirty(self) -> bool:
         """Steps recorded since the last flush."""
-        return not self.closed and self.steps != self._flushed_steps
+        return not self.closed and (self.steps != self._flushed_steps or bool(self._queued))
 
     @property
     def last_flush_time(self) -> float:
@@ -343,6 +427,7 @@ class RunJournal:
         if not self._lock.acquire(blocking=blocking):
             return False
         try:
+            self._record_queued()
             if not self.dirty:
                 return False
             self.flush()

@@ -392,7 +392,7 @@ class WatchSession:
             self.journal = self._open_journal()
         first_incident = None
         for vector, replica_first_nonfinite in rows:
-            incident = self.journal.record(
+            incident = self.journal.submit(
                 self.step,
                 self.epoch,
                 self.batch_in_epoch,
@@ -404,6 +404,17 @@ class WatchSession:
             if incident is not None and first_incident is None:
                 first_incident = incident
         return first_incident
+
+    def settled_journal(self) -> RunJournal | None:
+        """The journal with every step submitted so far recorded (what the
+        front ends' ``journal`` shows), None before the first step."""
+        journal = self.journal
+        if journal is not None and not journal.closed:
+            try:
+                journal.settle()
+            except Exception as error:  # noqa: BLE001 - never break the user's training
+                self.disable(f"recording failed: {error!r}")
+        return journal
 
     def _open_journal(self) -> RunJournal:
         info = dict(self.run_info)

@@ -135,7 +135,7 @@ def test_watcher_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     def broken(self, *args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(journal.RunJournal, "record", broken)
+    monkeypatch.setattr(journal.RunJournal, "_record_step", broken)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, watch, _, history = fit(scenarios.healthy, tmp_path)
