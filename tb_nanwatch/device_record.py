@@ -192,9 +192,14 @@ class DeviceRecord:
         if self._buffer is None:
             return []
         handed, self._handed_row = self._handed_row, None
-        # A handed-over row is already a host-side output of the step;
-        # otherwise one read of the device buffer.
-        rows = handed._numpy()[None, :] if handed is not None else _read(_first_local(self._buffer))
+        if handed is not None:
+            # Already a host-side output of the step, and always its one new
+            # step (a row is handed over only with one step an execution).
+            row = handed._numpy()
+            self._last_seq = int(row[0])
+            size = row.shape[0] - 1 - self._replicas
+            return [(row[1 : 1 + size], row[1 + size :])]
+        rows = _read(_first_local(self._buffer))  # the one read of the device buffer
         seqs = rows[:, 0].astype(np.int64)
         ahead = (seqs - self._last_seq) % SEQ_MODULO
         fresh = sorted((a, i) for i, a in enumerate(ahead) if 0 < a <= self.steps_per_execution)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -139,7 +140,9 @@ class RunJournal:
         self._lock = threading.RLock()
         # Steps submitted to the background worker, not recorded yet (see submit).
         self._queued: collections.deque = collections.deque()
-        self._queue_ready = threading.Condition(threading.RLock())
+        # One token a submitted step (or the close) wakes the worker; the
+        # steps themselves are taken from _queued under the journal's lock.
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._worker_error: Exception | None = None
         self._flushed_steps = 0
@@ -169,14 +172,11 @@ class RunJournal:
         vector = self._shaped(vector)
         if self.diagnosis.may_be_incident(vector):
             return self.record(step, epoch, batch, vector, extra)
-        with self._queue_ready:
-            self._queued.append((step, epoch, batch, vector, extra))
-            if self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._work, name="nanwatch-journal", daemon=True
-                )
-                self._worker.start()
-            self._queue_ready.notify()
+        self._queued.append((step, epoch, batch, vector, extra))
+        self._wake.put(None)
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="nanwatch-journal", daemon=True)
+            self._worker.start()
         return None
 
     @_locked
@@ -185,12 +185,8 @@ class RunJournal:
         self._raise_worker_error()
 
     def _work(self) -> None:
-        while True:
-            with self._queue_ready:
-                while not self._queued and not self.closed:
-                    self._queue_ready.wait()
-                if not self._queued:
-                    return
+        while not self.closed:
+            self._wake.get()
             with self._lock:
                 self._record_queued()
 
@@ -407,8 +403,7 @@ class RunJournal:
             self.explosion_onset = explosion
         self.flush()
         self.writer.close()
-        with self._queue_ready:
-            self._queue_ready.notify()  # the worker, if any, ends
+        self._wake.put(None)  # the worker, if any, ends
 
     # -- crash safety (used by tb_nanwatch.crash_safety) ---------------------
 

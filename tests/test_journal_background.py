@@ -38,16 +38,13 @@ def _nan_in_layer(vector: np.ndarray, layer: str) -> np.ndarray:
 class _Recorded:
     """Wraps ``journal._record_step``: which thread recorded each step."""
 
-    def __init__(self, journal: RunJournal, gate: threading.Event | None = None) -> None:
+    def __init__(self, journal: RunJournal) -> None:
         self.threads: dict[int, str] = {}
         self.seen = threading.Condition()
         self._inner = journal._record_step
-        self._gate = gate
         journal._record_step = self
 
     def __call__(self, step, *args):
-        if self._gate is not None and threading.current_thread() is not threading.main_thread():
-            self._gate.wait(10)
         result = self._inner(step, *args)
         with self.seen:
             self.threads[step] = threading.current_thread().name
@@ -57,6 +54,24 @@ class _Recorded:
     def wait_for(self, steps: int) -> None:
         with self.seen:
             assert self.seen.wait_for(lambda: len(self.threads) >= steps, timeout=10)
+
+
+class _HeldWorker:
+    """Stands in for the worker's wake-up queue: the worker is never woken
+    (the steps stay queued) until ``release``."""
+
+    def __init__(self, journal: RunJournal) -> None:
+        self._released = threading.Event()
+        journal._wake = self
+
+    def put(self, token) -> None:
+        pass
+
+    def get(self) -> None:
+        self._released.wait(10)
+
+    def release(self) -> None:
+        self._released.set()
 
 
 def test_healthy_steps_are_recorded_by_the_worker_thread(tmp_path):
@@ -76,8 +91,8 @@ def test_healthy_steps_are_recorded_by_the_worker_thread(tmp_path):
 
 def test_a_nonfinite_step_is_judged_at_once_after_the_queued_ones(tmp_path):
     journal = _journal(tmp_path)
-    gate = threading.Event()  # holds the worker: the healthy steps stay queued
-    recorded = _Recorded(journal, gate)
+    held = _HeldWorker(journal)  # the healthy steps stay queued
+    recorded = _Recorded(journal)
     try:
         for step in range(5):
             journal.submit(step, 0, step, base_vector(SCHEMA, step))
@@ -87,9 +102,10 @@ def test_a_nonfinite_step_is_judged_at_once_after_the_queued_ones(tmp_path):
         assert incident is not None and incident["step"] == 5 and incident["layer"] == layer
         assert journal.steps == 6 and journal.first_nonfinite == incident
         assert recorded.threads[5] == threading.current_thread().name
+        assert set(recorded.threads.values()) == {threading.current_thread().name}
         assert sorted(recorded.threads) == list(range(6))
     finally:
-        gate.set()
+        held.release()
         journal.close()
 
 
@@ -108,12 +124,12 @@ def test_a_skipped_step_is_judged_at_once(tmp_path):
 
 def test_close_records_every_queued_step(tmp_path):
     journal = _journal(tmp_path)
-    gate = threading.Event()
-    _Recorded(journal, gate)
+    held = _HeldWorker(journal)
     for step in range(7):
         journal.submit(step, 0, step, base_vector(SCHEMA, step))
+    assert journal.steps == 0 and journal.dirty
     journal.close()  # the worker is held: close records the queue itself
-    gate.set()
+    held.release()
     summary = _summary_on_disk(str(tmp_path / "run"))
     assert summary["steps"] == 7 and summary["status"] == "finished"
     with pytest.raises(RuntimeError, match="closed"):
@@ -122,15 +138,15 @@ def test_close_records_every_queued_step(tmp_path):
 
 def test_settle_makes_the_fields_current(tmp_path):
     journal = _journal(tmp_path)
-    gate = threading.Event()
-    _Recorded(journal, gate)
+    held = _HeldWorker(journal)
     try:
         for step in range(4):
             journal.submit(step, 0, step, base_vector(SCHEMA, step))
+        assert journal.steps == 0
         journal.settle()
         assert journal.steps == 4
     finally:
-        gate.set()
+        held.release()
         journal.close()
 
 
