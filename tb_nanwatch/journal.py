@@ -159,12 +159,13 @@ class RunJournal:
 
         A step that may be the run's incident (see
         :meth:`~tb_nanwatch.diagnosis.RunDiagnosis.may_be_incident`) is
-        recorded now and its incident returned. Any other step is queued and recorded by a worker thread,
-        which runs while the next train step computes (TensorFlow releases
-        the GIL): the diagnosis, series and files cost the training thread
-        nothing. Every locked method, :meth:`close` and :meth:`settle` first
-        records what is queued, in step order. An error of the worker is
-        raised by the next ``submit``.
+        recorded now, after every queued step, and its incident returned.
+        Any other step is queued and recorded by a worker thread, which runs
+        while the next train step computes (TensorFlow releases the GIL):
+        the diagnosis, series and files cost the training thread nothing.
+        Every locked method, :meth:`close` and :meth:`settle` first record
+        what is queued, in step order. An error of the worker is raised by
+        the next ``submit`` or ``settle``.
         """
         if self.closed:
             raise RuntimeError("the record is closed")

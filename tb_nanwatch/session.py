@@ -533,6 +533,7 @@ class WatchSession:
         self.closed = True
         if self.journal is None or self.journal.closed:
             return
+        self.settled_journal()  # a failure of the worker thread is warned about, not lost
         self._name_the_op()
         try:
             self.journal.close(status or self.final_status())

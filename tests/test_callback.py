@@ -144,6 +144,27 @@ def test_watcher_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
     assert len(history.history["loss"]) == 1
 
 
+def test_a_failure_recording_the_last_step_is_warned_about_at_the_end(tmp_path, monkeypatch):
+    # The last step is recorded by the journal's worker thread after fit's
+    # last on_train_batch_end: its failure still reaches the user (at close).
+    from tb_nanwatch import journal
+
+    record_step = journal.RunJournal._record_step
+
+    def broken_at_the_end(self, step, *args):
+        if step == 59:
+            raise RuntimeError("boom at the end")
+        return record_step(self, step, *args)
+
+    monkeypatch.setattr(journal.RunJournal, "_record_step", broken_at_the_end)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, watch, _, history = fit(scenarios.healthy, tmp_path)
+    ours = [w for w in caught if "NanWatch stopped watching" in str(w.message)]
+    assert len(ours) == 1 and "boom at the end" in str(ours[0].message)
+    assert watch.journal.steps == 59 and watch.journal.closed
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="on_nonfinite"):
         tb_nanwatch.NanWatch("/tmp/nanwatch-args", on_nonfinite="explode")

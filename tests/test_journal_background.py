@@ -183,3 +183,26 @@ def test_a_wrong_shape_is_named_at_submit(tmp_path):
             journal.submit(0, 0, 0, np.zeros(3, np.float32))
     finally:
         journal.close()
+
+
+def test_settle_raises_an_error_of_the_queued_steps(tmp_path):
+    journal = _journal(tmp_path)
+    held = _HeldWorker(journal)
+    recorded = _Recorded(journal)
+    inner = recorded._inner
+
+    def failing(step, *args):
+        if step == 1:
+            raise OSError("disk full")
+        return inner(step, *args)
+
+    recorded._inner = failing
+    try:
+        for step in range(3):
+            journal.submit(step, 0, step, base_vector(SCHEMA, step))
+        with pytest.raises(OSError, match="disk full"):
+            journal.settle()  # what the session calls at close: the error is not lost
+        assert journal.steps == 1
+    finally:
+        held.release()
+        journal.close()
