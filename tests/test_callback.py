@@ -129,17 +129,28 @@ def test_stop_keeps_backup_and_restore_state(tmp_path):
     assert all(np.isfinite(w.numpy()).all() for w in restored.weights)
 
 
-def test_watcher_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+def _fit_with_recording_failing(tmp_path, monkeypatch, from_step: int, message: str):
+    """fit on the healthy scenario with every step from ``from_step`` on
+    failing to be recorded; returns (our warnings, watcher, history)."""
     from tb_nanwatch import journal
 
-    def broken(self, *args, **kwargs):
-        raise RuntimeError("boom")
+    record_step = journal.RunJournal._record_step
+
+    def broken(self, step, *args):
+        if step >= from_step:
+            raise RuntimeError(message)
+        return record_step(self, step, *args)
 
     monkeypatch.setattr(journal.RunJournal, "_record_step", broken)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, watch, _, history = fit(scenarios.healthy, tmp_path)
     ours = [w for w in caught if "NanWatch stopped watching" in str(w.message)]
+    return ours, watch, history
+
+
+def test_watcher_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
+    ours, _, history = _fit_with_recording_failing(tmp_path, monkeypatch, 0, "boom")
     assert len(ours) == 1 and "boom" in str(ours[0].message)
     assert len(history.history["loss"]) == 1
 
@@ -147,20 +158,7 @@ def test_watcher_failure_warns_once_and_training_goes_on(tmp_path, monkeypatch):
 def test_a_failure_recording_the_last_step_is_warned_about_at_the_end(tmp_path, monkeypatch):
     # The last step is recorded by the journal's worker thread after fit's
     # last on_train_batch_end: its failure still reaches the user (at close).
-    from tb_nanwatch import journal
-
-    record_step = journal.RunJournal._record_step
-
-    def broken_at_the_end(self, step, *args):
-        if step == 59:
-            raise RuntimeError("boom at the end")
-        return record_step(self, step, *args)
-
-    monkeypatch.setattr(journal.RunJournal, "_record_step", broken_at_the_end)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, watch, _, history = fit(scenarios.healthy, tmp_path)
-    ours = [w for w in caught if "NanWatch stopped watching" in str(w.message)]
+    ours, watch, _ = _fit_with_recording_failing(tmp_path, monkeypatch, 59, "boom at the end")
     assert len(ours) == 1 and "boom at the end" in str(ours[0].message)
     assert watch.journal.steps == 59 and watch.journal.closed
 

@@ -38,13 +38,16 @@ def _nan_in_layer(vector: np.ndarray, layer: str) -> np.ndarray:
 class _Recorded:
     """Wraps ``journal._record_step``: which thread recorded each step."""
 
-    def __init__(self, journal: RunJournal) -> None:
+    def __init__(self, journal: RunJournal, failing_at: int | None = None) -> None:
         self.threads: dict[int, str] = {}
         self.seen = threading.Condition()
         self._inner = journal._record_step
+        self._failing_at = failing_at
         journal._record_step = self
 
     def __call__(self, step, *args):
+        if step == self._failing_at:
+            raise OSError("disk full")
         result = self._inner(step, *args)
         with self.seen:
             self.threads[step] = threading.current_thread().name
@@ -152,15 +155,7 @@ def test_settle_makes_the_fields_current(tmp_path):
 
 def test_an_error_of_the_worker_is_raised_by_the_next_submit(tmp_path):
     journal = _journal(tmp_path)
-    recorded = _Recorded(journal)
-    inner = recorded._inner
-
-    def failing(step, *args):
-        if step == 2:
-            raise OSError("disk full")
-        return inner(step, *args)
-
-    recorded._inner = failing
+    recorded = _Recorded(journal, failing_at=2)
     try:
         for step in range(3):
             journal.submit(step, 0, step, base_vector(SCHEMA, step))
@@ -188,15 +183,7 @@ def test_a_wrong_shape_is_named_at_submit(tmp_path):
 def test_settle_raises_an_error_of_the_queued_steps(tmp_path):
     journal = _journal(tmp_path)
     held = _HeldWorker(journal)
-    recorded = _Recorded(journal)
-    inner = recorded._inner
-
-    def failing(step, *args):
-        if step == 1:
-            raise OSError("disk full")
-        return inner(step, *args)
-
-    recorded._inner = failing
+    _Recorded(journal, failing_at=1)
     try:
         for step in range(3):
             journal.submit(step, 0, step, base_vector(SCHEMA, step))
