@@ -56,7 +56,7 @@ def find_origin(schema: Schema, vector: np.ndarray) -> dict | None:
     entry is the one whose predecessors are all finite.
     Returns ``{"phase", "layer", "tensor", "kind"}`` or None if all finite.
     """
-    entries, nan_index, inf_index, _ = _diagnosed_index(schema)
+    entries, nan_index, inf_index = _diagnosed_index(schema)
     if not entries:
         return None
     vector = np.asarray(vector)
@@ -77,10 +77,9 @@ def find_origin(schema: Schema, vector: np.ndarray) -> dict | None:
 _INDEX_ATTR = "_diagnosis_index"
 
 
-def _diagnosed_index(schema: Schema) -> tuple[list[Entry], np.ndarray, np.ndarray, np.ndarray]:
-    """The diagnosed entries of ``schema``, the vector positions of their nan
-    and inf counts, and those positions with the header's ``skipped`` (what
-    can make a step an incident), cached on the schema (rebuilt if it grew)."""
+def _diagnosed_index(schema: Schema) -> tuple[list[Entry], np.ndarray, np.ndarray]:
+    """The diagnosed entries of ``schema`` and the vector positions of their
+    nan and inf counts, cached on the schema (rebuilt if it grew)."""
     key = (len(schema.entries), schema.size)
     cached = getattr(schema, _INDEX_ATTR, None)
     if cached is not None and cached[0] == key:
@@ -88,12 +87,7 @@ def _diagnosed_index(schema: Schema) -> tuple[list[Entry], np.ndarray, np.ndarra
     entries = schema.diagnosed()
     nan_index = np.array(schema.indices(entries, "nan"), np.intp)
     inf_index = np.array(schema.indices(entries, "inf"), np.intp)
-    header = schema.entries[0] if schema.entries and schema.entries[0].kind == "header" else None
-    skipped = np.array(
-        [header.index("skipped")] if header is not None and "skipped" in header.fields else [],
-        np.intp,
-    )
-    index = (entries, nan_index, inf_index, np.concatenate([nan_index, inf_index, skipped]))
+    index = (entries, nan_index, inf_index)
     try:
         setattr(schema, _INDEX_ATTR, (key, index))
     except AttributeError:
@@ -204,6 +198,9 @@ class RunDiagnosis:
         self.incident: dict | None = None
         self._streak: tuple[StepPlace, np.ndarray] | None = None
         self._header = {f: schema.header_index(f) for f in schema.header().fields}
+        # What can make a step an incident: every count, and "skipped".
+        _, nan_index, inf_index = _diagnosed_index(schema)
+        self._incident_fields = np.concatenate([nan_index, inf_index, [self._header["skipped"]]])
 
     def header(self, vector: np.ndarray, field: str) -> float:
         """A header field (``"loss"``, ``"loss_scale"``, ...) of ``vector``."""
@@ -220,9 +217,8 @@ class RunDiagnosis:
         scaler skipped the step. False means :meth:`judge` returns no incident."""
         if self.incident is not None:
             return False
-        incident_fields = _diagnosed_index(self.schema)[3]
         # One gather, one count (a NaN is non-zero).
-        return np.count_nonzero(np.asarray(vector)[incident_fields]) > 0
+        return np.count_nonzero(np.asarray(vector)[self._incident_fields]) > 0
 
     def judge(self, place: StepPlace, vector: np.ndarray) -> Verdict:
         """The verdict of the next step; ``vector`` is its statistics.

@@ -193,7 +193,8 @@ class RunJournal:
 
     def _record_queued(self) -> None:
         """Records the queued steps, in order (the caller holds the lock).
-        Never raises: an error is kept for the next submit, the rest dropped."""
+        Never raises: an error is kept for the next submit or settle, the
+        rest of the queue dropped."""
         while self._queued:
             try:
                 self._record_step(*self._queued.popleft())
