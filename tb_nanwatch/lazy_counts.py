@@ -39,6 +39,8 @@ _SLICE_SIZE_ATTR = "_nanwatch_slice_size"
 _GRAPH_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 KINDS = ("nan", "inf")
 _INF_UNIT = 2**32
+# An entry of this many elements or more could overflow its packed NaN count.
+PACKED_MAX_ELEMENTS = _INF_UNIT
 # See counts_in_chunks: about this many conditionals at most for XLA to
 # compile; as few entries a conditional (kept alive until the last one is
 # read) as that allows.
@@ -67,11 +69,39 @@ def in_xla() -> bool:
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
+# tf2xla lowers IsNan, IsInf and IsFinite through an MLIR pipeline of their
+# own, one op at a time: ~4 ms each of the first step on this CPU, against
+# ~1 ms for a comparison, which it lowers directly. A step watched by NanWatch
+# has hundreds of them, so under XLA they are written as comparisons (XLA
+# itself defines IsNan as x != x).
+
+
+def is_nan(t: tf.Tensor) -> tf.Tensor:
+    """``tf.math.is_nan``, as ``t != t`` under XLA."""
+    return tf.math.not_equal(t, t) if in_xla() else tf.math.is_nan(t)
+
+
+def is_inf(t: tf.Tensor) -> tf.Tensor:
+    """``tf.math.is_inf``, as ``t == +inf or t == -inf`` under XLA."""
+    if not in_xla():
+        return tf.math.is_inf(t)
+    inf = tf.constant(np.inf, t.dtype)
+    return tf.math.logical_or(tf.math.equal(t, inf), tf.math.equal(t, -inf))
+
+
+def is_finite(t: tf.Tensor) -> tf.Tensor:
+    """``tf.math.is_finite``, as ``-inf < t < +inf`` under XLA (a NaN compares false)."""
+    if not in_xla():
+        return tf.math.is_finite(t)
+    inf = tf.constant(np.inf, t.dtype)
+    return tf.math.logical_and(tf.math.less(t, inf), tf.math.greater(t, -inf))
+
+
 def exact_count(kind: str, t: tf.Tensor) -> tf.Tensor:
     """Number of NaN (``kind="nan"``) or +-Inf elements of ``t``, float32."""
     if not t.dtype.is_floating:
         return tf.constant(0.0)
-    flags = tf.math.is_nan(t) if kind == "nan" else tf.math.is_inf(t)
+    flags = is_nan(t) if kind == "nan" else is_inf(t)
     return tf.reduce_sum(tf.cast(flags, tf.float32))
 
 
@@ -94,7 +124,7 @@ def counts_of(sources, trigger_value: tf.Tensor, transient: bool = False) -> dic
 
 
 def _is_finite(trigger_value: tf.Tensor) -> tf.Tensor:
-    return _cached(trigger_value, _FINITE_ATTR, lambda: tf.math.is_finite(trigger_value))
+    return _cached(trigger_value, _FINITE_ATTR, lambda: is_finite(trigger_value))
 
 
 def transient_counts_of(
@@ -161,10 +191,10 @@ def counts_in_chunks(counts: list[LazyCount], phases: list[str] | None = None) -
 def _chunk_counts(entries: list[LazyCount]) -> tf.Tensor:
     """[nan, inf] of each entry, concatenated: zeros unless a trigger is non-finite."""
     triggers = [e.trigger for e in entries]
-    finite = tf.reduce_all(tf.math.is_finite(tf.stack(triggers)))
+    finite = tf.reduce_all(is_finite(tf.stack(triggers)))
 
     def exact() -> tf.Tensor:
-        return tf.concat([_packed_counts(e.sources) for e in entries], 0)
+        return _exact_pairs([e.sources for e in entries])
 
     def clean() -> tf.Tensor:
         return tf.zeros([len(KINDS) * len(entries)], tf.float32)
@@ -172,22 +202,44 @@ def _chunk_counts(entries: list[LazyCount]) -> tf.Tensor:
     return tf.cond(finite, clean, exact)
 
 
-def _packed_counts(sources) -> tf.Tensor:
-    """[NaN count, Inf count] of ``sources`` (float32) from one int64
-    reduction a source: a NaN adds 1, an Inf ``_INF_UNIT``. XLA compiles each
-    reduction on its own (on a CPU ~20 ms each)."""
-    if sum(t.shape.num_elements() or _INF_UNIT for t in sources) >= _INF_UNIT:
-        return tf.stack([exact_total(kind, sources) for kind in KINDS])
-    one, unit, zero = (tf.constant(v, tf.int64) for v in (1, _INF_UNIT, 0))
+def _exact_pairs(entries: list) -> tf.Tensor:
+    """[NaN count, Inf count] of each entry's sources, concatenated (float32).
+
+    Each entry is one int64 total, a NaN adding 1 and an Inf ``_INF_UNIT``
+    (one reduction a source: XLA compiles each reduction on its own), and the
+    totals of all entries are split in two with one bitwise op each. An
+    entry too large to pack is counted one kind at a time.
+    """
+    packed, unpacked = {}, {}
+    for i, sources in enumerate(entries):
+        if sum(t.shape.num_elements() or _INF_UNIT for t in sources) < PACKED_MAX_ELEMENTS:
+            packed[i] = _packed_total(sources)
+        else:
+            unpacked[i] = tf.stack([exact_total(kind, sources) for kind in KINDS])
+    parts = []
+    if packed:
+        totals = tf.stack(list(packed.values()))
+        low_bits = graph_constant(np.array(_INF_UNIT - 1, np.int64))
+        shift = graph_constant(np.array(_INF_UNIT.bit_length() - 1, np.int64))
+        nan, inf = tf.bitwise.bitwise_and(totals, low_bits), tf.bitwise.right_shift(totals, shift)
+        parts.append(tf.cast(tf.stack([nan, inf], axis=1), tf.float32))
+    parts += [tf.reshape(pair, [1, len(KINDS)]) for pair in unpacked.values()]
+    rows = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+    order = list(packed) + list(unpacked)
+    if order != sorted(order):
+        rows = tf.gather(rows, graph_constant(np.argsort(order).astype(np.int32)))
+    return tf.reshape(rows, [-1])
+
+
+def _packed_total(sources) -> tf.Tensor:
+    """int64: the NaN count of ``sources`` plus ``_INF_UNIT`` times their Inf count."""
+    one, unit, zero = (graph_constant(np.array(v, np.int64)) for v in (1, _INF_UNIT, 0))
     totals = [
-        tf.reduce_sum(tf.where(tf.math.is_nan(t), one, tf.where(tf.math.is_inf(t), unit, zero)))
+        tf.reduce_sum(tf.where(is_nan(t), one, tf.where(is_inf(t), unit, zero)))
         for t in sources
         if t.dtype.is_floating
     ]
-    if not totals:
-        return tf.zeros([len(KINDS)], tf.float32)
-    total = scalar_total(totals)
-    return tf.cast(tf.stack([total % _INF_UNIT, total // _INF_UNIT]), tf.float32)
+    return scalar_total(totals) if totals else zero
 
 
 def _worth_letting_go(t: tf.Tensor) -> bool:

@@ -287,7 +287,7 @@ def _skipped_by_loss_scaler(grad_fields: list[dict], grad_sumsq: tf.Tensor) -> t
         )
         return tf.cast(nonfinite > 0, tf.float32)
 
-    return step_stats.rare_cond(tf.math.is_finite(grad_sumsq), lambda: tf.constant(0.0), exact)
+    return step_stats.rare_cond(lazy_counts.is_finite(grad_sumsq), lambda: tf.constant(0.0), exact)
 
 
 def logits_read_instead(outputs: list) -> dict[int, tf.Tensor]:
@@ -311,8 +311,8 @@ def logits_read_instead(outputs: list) -> dict[int, tf.Tensor]:
 def _loss_fields(value) -> dict:
     value = tf.cast(tf.reduce_mean(value), tf.float32)
     return {
-        "nan": tf.cast(tf.math.is_nan(value), tf.float32),
-        "inf": tf.cast(tf.math.is_inf(value), tf.float32),
+        "nan": tf.cast(lazy_counts.is_nan(value), tf.float32),
+        "inf": tf.cast(lazy_counts.is_inf(value), tf.float32),
         "value": value,
     }
 

@@ -11,6 +11,9 @@ from scenarios import fit, origin
 
 from tb_nanwatch import lazy_counts, step_stats
 
+# Ops tf2xla lowers through an MLIR pipeline of their own, one op at a time.
+MLIR_LOWERED = {"IsNan", "IsInf", "IsFinite"}
+
 
 def _count_builders(monkeypatch) -> dict:
     built = {"values": 0, "schema_only": 0}
@@ -173,16 +176,77 @@ def test_no_addn_of_more_than_two_inputs_in_the_step_graph(tmp_path):
     assert not wide, wide
 
 
+def test_the_xla_step_has_no_op_lowered_through_mlir_one_at_a_time(tmp_path):
+    import keras
+
+    import tb_nanwatch
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(8, "relu"), keras.layers.Dense(1)]
+    )
+    optimizer = keras.optimizers.SGD(0.1)
+    watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
+    traced = []
+
+    @tf.function(jit_compile=True)
+    def train_step(x, y):
+        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
+            loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
+        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        rec.after_update()
+        traced.append((lazy_counts.in_xla(), tf.compat.v1.get_default_graph().as_graph_def()))
+        return loss
+
+    train_step(tf.ones((4, 8)), tf.ones((4, 1)))
+    watcher.end_step()
+    watcher.close()
+    in_xla, graph_def = traced[-1]
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    types = {n.op for n in nodes}
+    assert in_xla and {"L2Loss", "StatelessIf"} <= types  # statistics and count branches built
+    assert not types & MLIR_LOWERED
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, monkeypatch):
+def test_non_finite_tests_agree_with_numpy_in_and_out_of_xla(jit_compile, dtype):
+    # Under XLA they are comparisons (tf2xla lowers IsNan, IsInf and IsFinite
+    # through MLIR one op at a time, seconds of a first step).
+    big = float(tf.as_dtype(dtype).max)
+    tiny = 1e-40  # subnormal in float32 and bfloat16, 0 in float16
+    values = [np.nan, -np.nan, np.inf, -np.inf, big, -big, 0.0, -0.0, 1.0, -2.5, tiny]
+    x = tf.cast(tf.constant(values, tf.float64), dtype)
+    seen = []
+
+    @tf.function(jit_compile=jit_compile)
+    def tests(t):
+        seen.append(lazy_counts.in_xla())
+        graph = tf.compat.v1.get_default_graph()
+        out = [lazy_counts.is_nan(t), lazy_counts.is_inf(t), lazy_counts.is_finite(t)]
+        seen.append(sorted({op.type for op in graph.get_operations()} & MLIR_LOWERED))
+        return out
+
+    got = [g.numpy().tolist() for g in tests(x)]
+    as_float = np.array(values, np.float64)
+    want = [np.isnan(as_float), np.isinf(as_float), np.isfinite(as_float)]
+    assert got == [w.tolist() for w in want]
+    assert seen == [jit_compile, [] if jit_compile else ["IsFinite", "IsInf", "IsNan"]]
+
+
+@pytest.mark.parametrize(("jit_compile", "packed_max"), [(False, 2**32), (True, 2**32), (True, 5)])
+def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, packed_max, monkeypatch):
     # Outside XLA they are held and counted at the end of the step; under XLA
-    # a few entries at a time (here 2), each chunk in a conditional of its own.
+    # a few entries at a time (here 2), each chunk in a conditional of its own,
+    # entries of packed_max elements or more one kind at a time.
     monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 4)
+    monkeypatch.setattr(lazy_counts, "PACKED_MAX_ELEMENTS", packed_max)
     monkeypatch.setattr(lazy_counts, "XLA_MAX_CONDITIONALS", 2)  # 4 entries: 2 a chunk
     entries = [
         [np.array([[np.nan, 1.0], [np.inf, -np.inf]], "float32")],
         [np.arange(6, dtype="float32"), np.array([np.nan, 2.0, 3.0, 4.0], "float32")],
-        [np.arange(8, dtype="float32")],  # finite: the conditional's other branch
+        [np.arange(4, dtype="float32")],  # finite, packed after an entry that is not
         [np.array([np.inf, np.nan, np.inf, np.inf], "float16")],
         [np.array([np.nan, 1.0], "float32")],  # too small to let go of: counted at the end
     ]
