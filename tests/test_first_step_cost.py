@@ -137,13 +137,36 @@ def test_exact_counts_of_held_sources_match_numpy(monkeypatch):
     np.testing.assert_array_equal(_counts_in_graph(tensors, False, held=(0, 2)), want)
 
 
+def _one_watched_step(tmp_path, model, optimizer, jit_compile: bool = False):
+    """One step of a custom loop watched by a StepWatcher: the graph it traced
+    and whether XLA compiled it."""
+    import tb_nanwatch
+
+    watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
+    traced = []
+
+    @tf.function(jit_compile=jit_compile)
+    def train_step(x, y):
+        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
+            loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
+        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        rec.after_update()
+        traced.append((tf.compat.v1.get_default_graph(), lazy_counts.in_xla()))
+        return loss
+
+    train_step(tf.ones((4, 8)), tf.ones((4, 1)))
+    watcher.end_step()
+    watcher.close()
+    return traced[-1]
+
+
 def test_no_addn_of_more_than_two_inputs_in_the_step_graph(tmp_path):
     # Grappler's memory optimizer simulates the whole step's memory for each
     # AddN of more than two inputs, and rewrites some into a temporary
     # variable with one AssignAdd per input (seconds on a ResNet50).
     import keras
 
-    import tb_nanwatch
     from tb_nanwatch import phase_stats
 
     keras.utils.set_random_seed(0)
@@ -152,24 +175,8 @@ def test_no_addn_of_more_than_two_inputs_in_the_step_graph(tmp_path):
     right = keras.layers.Dense(8, activation="tanh")(inputs)
     merged = keras.layers.Add()([left, right, inputs])
     model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.Dense(8)(merged)))
-    optimizer = keras.optimizers.Adam(1e-3)
-    watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
-    graphs = []
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
-            loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
-        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        rec.after_update()
-        graphs.append(tf.compat.v1.get_default_graph())
-        return loss
-
-    train_step(tf.ones((4, 8)), tf.ones((4, 1)))
-    watcher.end_step()
-    watcher.close()
-    ours = [op for op in graphs[-1].get_operations() if phase_stats.is_ours(op)]
+    graph, _ = _one_watched_step(tmp_path, model, keras.optimizers.Adam(1e-3))
+    ours = [op for op in graph.get_operations() if phase_stats.is_ours(op)]
     assert len(model.trainable_variables) > 2  # so the gradient norm sums more than two
     assert any(op.type == "L2Loss" for op in ours)  # the statistics were built
     wide = [op.name for op in ours if op.type in ("AddN", "AccumulateNV2") and len(op.inputs) > 2]
@@ -179,30 +186,12 @@ def test_no_addn_of_more_than_two_inputs_in_the_step_graph(tmp_path):
 def test_the_xla_step_has_no_op_lowered_through_mlir_one_at_a_time(tmp_path):
     import keras
 
-    import tb_nanwatch
-
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [keras.Input((8,)), keras.layers.Dense(8, "relu"), keras.layers.Dense(1)]
     )
-    optimizer = keras.optimizers.SGD(0.1)
-    watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
-    traced = []
-
-    @tf.function(jit_compile=True)
-    def train_step(x, y):
-        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
-            loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
-        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        rec.after_update()
-        traced.append((lazy_counts.in_xla(), tf.compat.v1.get_default_graph().as_graph_def()))
-        return loss
-
-    train_step(tf.ones((4, 8)), tf.ones((4, 1)))
-    watcher.end_step()
-    watcher.close()
-    in_xla, graph_def = traced[-1]
+    graph, in_xla = _one_watched_step(tmp_path, model, keras.optimizers.SGD(0.1), jit_compile=True)
+    graph_def = graph.as_graph_def()
     nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
     types = {n.op for n in nodes}
     assert in_xla and {"L2Loss", "StatelessIf"} <= types  # statistics and count branches built
