@@ -37,6 +37,7 @@ _FINITE_ATTR = "_nanwatch_trigger_is_finite"
 _HELD_ATTR = "_nanwatch_held"
 _SLICE_SIZE_ATTR = "_nanwatch_slice_size"
 _GRAPH_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PACKED_TOTAL_FUNCTIONS: dict = {}  # (dtype, shape) -> ConcreteFunction
 KINDS = ("nan", "inf")
 _INF_UNIT = 2**32
 # An entry of this many elements or more could overflow its packed NaN count.
@@ -85,16 +86,20 @@ def is_inf(t: tf.Tensor) -> tf.Tensor:
     """``tf.math.is_inf``, as ``t == +inf or t == -inf`` under XLA."""
     if not in_xla():
         return tf.math.is_inf(t)
-    inf = tf.constant(np.inf, t.dtype)
-    return tf.math.logical_or(tf.math.equal(t, inf), tf.math.equal(t, -inf))
+    inf, minus_inf = _infinities(t.dtype)
+    return tf.math.logical_or(tf.math.equal(t, inf), tf.math.equal(t, minus_inf))
 
 
 def is_finite(t: tf.Tensor) -> tf.Tensor:
     """``tf.math.is_finite``, as ``-inf < t < +inf`` under XLA (a NaN compares false)."""
     if not in_xla():
         return tf.math.is_finite(t)
-    inf = tf.constant(np.inf, t.dtype)
-    return tf.math.logical_and(tf.math.less(t, inf), tf.math.greater(t, -inf))
+    inf, minus_inf = _infinities(t.dtype)
+    return tf.math.logical_and(tf.math.less(t, inf), tf.math.greater(t, minus_inf))
+
+
+def _infinities(dtype: tf.DType) -> tuple[tf.Tensor, tf.Tensor]:
+    return tuple(graph_constant(np.array(v, dtype.as_numpy_dtype)) for v in (np.inf, -np.inf))
 
 
 def exact_count(kind: str, t: tf.Tensor) -> tf.Tensor:
@@ -233,13 +238,27 @@ def _exact_pairs(entries: list) -> tf.Tensor:
 
 def _packed_total(sources) -> tf.Tensor:
     """int64: the NaN count of ``sources`` plus ``_INF_UNIT`` times their Inf count."""
-    one, unit, zero = (graph_constant(np.array(v, np.int64)) for v in (1, _INF_UNIT, 0))
-    totals = [
-        tf.reduce_sum(tf.where(is_nan(t), one, tf.where(is_inf(t), unit, zero)))
-        for t in sources
-        if t.dtype.is_floating
-    ]
-    return scalar_total(totals) if totals else zero
+    totals = [_packed_total_function(t)(t) for t in sources if t.dtype.is_floating]
+    return scalar_total(totals) if totals else graph_constant(np.array(0, np.int64))
+
+
+def _packed_total_function(t: tf.Tensor):
+    """The packed NaN/Inf total of one tensor of ``t``'s dtype and shape, as a
+    function traced once per process: the step calls it (one op) instead of
+    building its ops again for every counted tensor (a transformer counts
+    ~220, most of a few shapes), and XLA converts it once per shape."""
+    shape = tuple(t.shape.as_list()) if t.shape.rank is not None else None
+    key = (t.dtype.name, shape, in_xla())
+    if key not in _PACKED_TOTAL_FUNCTIONS:
+        spec = tf.TensorSpec(t.shape, t.dtype)
+        traced = tf.function(_packed_total_of, autograph=False, reduce_retracing=False)
+        _PACKED_TOTAL_FUNCTIONS[key] = traced.get_concrete_function(spec)
+    return _PACKED_TOTAL_FUNCTIONS[key]
+
+
+def _packed_total_of(t: tf.Tensor) -> tf.Tensor:
+    one, unit, zero = (tf.constant(v, tf.int64) for v in (1, _INF_UNIT, 0))
+    return tf.reduce_sum(tf.where(is_nan(t), one, tf.where(is_inf(t), unit, zero)))
 
 
 def _worth_letting_go(t: tf.Tensor) -> bool:
@@ -320,7 +339,7 @@ def graph_constant(value: np.ndarray) -> tf.Tensor:
     """``tf.constant(value)``, made once per graph (every small op made at
     trace time costs Python time and a node for the graph optimizer)."""
     graph = tf.compat.v1.get_default_graph()
-    key = (value.dtype.str, value.shape, value.tobytes())
+    key = (value.dtype.name, value.shape, value.tobytes())
     constants = _GRAPH_CONSTANTS.setdefault(graph, {})
     if key not in constants:
         constants[key] = tf.constant(value)

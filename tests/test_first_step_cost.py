@@ -257,13 +257,19 @@ def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, packed_max, mon
         out = lazy_counts.counts_in_chunks(lazies, phases)
         graph = tf.compat.v1.get_default_graph()
         conditionals.extend(o for o in graph.get_operations() if o.type in ("If", "StatelessIf"))
+        library.extend(f.signature.name for f in graph.as_graph_def().library.function)
         return out
 
+    library = []
     got = counts(*[tf.constant(t) for entry in entries for t in entry]).numpy()
     want = [int(sum(f(t).sum() for t in entry)) for entry in entries for f in (np.isnan, np.isinf)]
     np.testing.assert_array_equal(got, want)
     assert built == [(jit_compile, [jit_compile] * 4 + [False])]
     assert len(conditionals) == (4 if jit_compile else 0)
+    if jit_compile and packed_max == 2**32:
+        # One count function per dtype and shape, called by every source of that shape.
+        packed = {(t.dtype, t.shape) for entry in entries for t in entry}
+        assert len([f for f in library if "packed_total_of" in f]) == len(packed) == 5
 
 
 def test_a_softmax_output_the_loss_never_reads_is_not_computed(tmp_path, monkeypatch):
