@@ -37,7 +37,7 @@ _FINITE_ATTR = "_nanwatch_trigger_is_finite"
 _HELD_ATTR = "_nanwatch_held"
 _SLICE_SIZE_ATTR = "_nanwatch_slice_size"
 _GRAPH_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PACKED_TOTAL_FUNCTIONS: dict = {}  # (dtype, shape) -> ConcreteFunction
+_PACKED_TOTAL_FUNCTIONS: dict = {}  # (dtype, shape, under XLA) -> ConcreteFunction
 KINDS = ("nan", "inf")
 _INF_UNIT = 2**32
 # An entry of this many elements or more could overflow its packed NaN count.
