@@ -197,16 +197,20 @@ class DeviceRecord:
             # step (a row is handed over only with one step an execution).
             row = handed._numpy()
             self._last_seq = int(row[0])
-            size = row.shape[0] - 1 - self._replicas
-            return [(row[1 : 1 + size], row[1 + size :])]
+            return [self._split_row(row)]
         rows = _read(_first_local(self._buffer))  # the one read of the device buffer
         seqs = rows[:, 0].astype(np.int64)
         ahead = (seqs - self._last_seq) % SEQ_MODULO
         fresh = sorted((a, i) for i, a in enumerate(ahead) if 0 < a <= self.steps_per_execution)
         if fresh:
             self._last_seq = int(seqs[fresh[-1][1]])
-        size = rows.shape[1] - 1 - self._replicas
-        return [(rows[i, 1 : 1 + size], rows[i, 1 + size :]) for _, i in fresh]
+        return [self._split_row(rows[i]) for _, i in fresh]
+
+    def _split_row(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A row ``[seq, stats vector..., one entry a replica...]`` as
+        ``(stats vector, replica_first_nonfinite)``."""
+        size = row.shape[0] - 1 - self._replicas
+        return row[1 : 1 + size], row[1 + size :]
 
     def pre_step_state(self) -> tuple[list[np.ndarray], list[np.ndarray], Any]:
         """(weights before the stashed step or [], flat batch, batch structure).

@@ -98,6 +98,12 @@ def is_finite(t: tf.Tensor) -> tf.Tensor:
     return tf.math.logical_and(tf.math.less(t, inf), tf.math.greater(t, minus_inf))
 
 
+def all_finite(values: list[tf.Tensor]) -> tf.Tensor:
+    """A scalar bool: whether every one of ``values`` (scalars of one dtype) is finite."""
+    stacked = values[0] if len(values) == 1 else tf.stack(values)
+    return tf.reduce_all(is_finite(stacked))
+
+
 def _infinities(dtype: tf.DType) -> tuple[tf.Tensor, tf.Tensor]:
     return tuple(graph_constant(np.array(v, dtype.as_numpy_dtype)) for v in (np.inf, -np.inf))
 
@@ -128,7 +134,7 @@ def counts_of(sources, trigger_value: tf.Tensor, transient: bool = False) -> dic
     return {kind: LazyCount(kind, tuple(sources), trigger_value, transient) for kind in KINDS}
 
 
-def _is_finite(trigger_value: tf.Tensor) -> tf.Tensor:
+def _cached_is_finite(trigger_value: tf.Tensor) -> tf.Tensor:
     return _cached(trigger_value, _FINITE_ATTR, lambda: is_finite(trigger_value))
 
 
@@ -195,8 +201,7 @@ def counts_in_chunks(counts: list[LazyCount], phases: list[str] | None = None) -
 
 def _chunk_counts(entries: list[LazyCount]) -> tf.Tensor:
     """[nan, inf] of each entry, concatenated: zeros unless a trigger is non-finite."""
-    triggers = [e.trigger for e in entries]
-    finite = tf.reduce_all(is_finite(tf.stack(triggers)))
+    finite = all_finite([e.trigger for e in entries])
 
     def exact() -> tf.Tensor:
         return _exact_pairs([e.sources for e in entries])
@@ -310,7 +315,7 @@ def _slice_size(trigger_value: tf.Tensor, rank: int) -> tf.Tensor:
     if rank not in by_rank:
         # Select (not SelectV2): a scalar condition just forwards one input.
         by_rank[rank] = tf.raw_ops.Select(
-            condition=_is_finite(trigger_value),
+            condition=_cached_is_finite(trigger_value),
             x=graph_constant(np.zeros([rank], np.int32)),
             y=graph_constant(np.full([rank], -1, np.int32)),
         )

@@ -295,8 +295,7 @@ class StatsBuilder:
         triggers = _unique([s.trigger for s in specs if isinstance(s, LazyCount)])
         checks = [earlier] if earlier is not None else []
         if triggers:
-            stacked = triggers[0] if len(triggers) == 1 else tf.stack(triggers)
-            checks.append(tf.logical_not(tf.reduce_all(lazy_counts.is_finite(stacked))))
+            checks.append(tf.logical_not(lazy_counts.all_finite(triggers)))
         eager = [s for s in specs if not isinstance(s, LazyCount)]
         if eager:
             checks.append(scalar_total(eager) > 0)
