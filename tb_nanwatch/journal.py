@@ -40,12 +40,6 @@ SERIES_BASE_COLUMNS = (
 # Steps on each side of an explosion onset kept as per-layer snapshots (from
 # the flight ring), so the onset's "show layers" lands on data.
 ONSET_SNAPSHOT_RADIUS = 8
-# The background worker is woken once this many healthy steps are queued
-# (see RunJournal.submit): a wake-up every step cost the training thread
-# ~15 us of its ~80 us a step on the bench's MLP. Steps queued when training
-# pauses are recorded by the next locked call, or by the crash-safety flusher
-# within flush_secs, the delay the record on disk has anyway.
-WAKE_EVERY_STEPS = 8
 
 
 def _locked(method):
@@ -146,8 +140,8 @@ class RunJournal:
         self._lock = threading.RLock()
         # Steps submitted to the background worker, not recorded yet (see submit).
         self._queued: collections.deque = collections.deque()
-        # A token (see submit, and the close) wakes the worker; the steps
-        # themselves are taken from _queued under the journal's lock.
+        # One token a submitted step (or the close) wakes the worker; the
+        # steps themselves are taken from _queued under the journal's lock.
         self._wake: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._worker_error: Exception | None = None
@@ -166,10 +160,9 @@ class RunJournal:
         A step that may be the run's incident (see
         :meth:`~tb_nanwatch.diagnosis.RunDiagnosis.may_be_incident`) is
         recorded now, after every queued step, and its incident returned.
-        Any other step is queued and recorded by a worker thread, woken once
-        every ``WAKE_EVERY_STEPS`` steps, which runs while the next train step
-        computes (TensorFlow releases the GIL): the diagnosis, series and
-        files cost the training thread nothing.
+        Any other step is queued and recorded by a worker thread, which runs
+        while the next train step computes (TensorFlow releases the GIL):
+        the diagnosis, series and files cost the training thread nothing.
         Every locked method, :meth:`close` and :meth:`settle` first record
         what is queued, in step order. An error of the worker is raised by
         the next ``submit`` or ``settle``.
@@ -181,10 +174,7 @@ class RunJournal:
         if self.diagnosis.may_be_incident(vector):
             return self.record(step, epoch, batch, vector, extra)
         self._queued.append((step, epoch, batch, vector, extra))
-        # The first step at once (the run is on disk from its first step on),
-        # then one wake-up a batch: the worker records every step queued then.
-        if self._worker is None or len(self._queued) % WAKE_EVERY_STEPS == 0:
-            self._wake.put(None)
+        self._wake.put(None)
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="nanwatch-journal", daemon=True)
             self._worker.start()

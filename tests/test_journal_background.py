@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from nanwatch_testlib import CTX, base_vector, multiplexer_provider
 
-from tb_nanwatch import crash_safety, reader
-from tb_nanwatch.journal import WAKE_EVERY_STEPS, JournalSettings, RunJournal
+from tb_nanwatch import reader
+from tb_nanwatch.journal import JournalSettings, RunJournal
 from tb_nanwatch.synthetic import build_schema
 
 SCHEMA = build_schema(3)
@@ -61,15 +61,14 @@ class _Recorded:
 
 class _HeldWorker:
     """Stands in for the worker's wake-up queue: the worker is never woken
-    (the steps stay queued) until ``release``; counts the wake-ups asked for."""
+    (the steps stay queued) until ``release``."""
 
     def __init__(self, journal: RunJournal) -> None:
         self._released = threading.Event()
-        self.wakes = 0
         journal._wake = self
 
     def put(self, token) -> None:
-        self.wakes += 1
+        pass
 
     def get(self) -> None:
         self._released.wait(10)
@@ -81,47 +80,16 @@ class _HeldWorker:
 def test_healthy_steps_are_recorded_by_the_worker_thread(tmp_path):
     journal = _journal(tmp_path)
     recorded = _Recorded(journal)
-    submitted = 3 * WAKE_EVERY_STEPS
     try:
-        for step in range(submitted):
+        for step in range(20):
             assert journal.submit(step, 0, step, base_vector(SCHEMA, step)) is None
-        # The worker drains the queue at each wake-up, so fewer than a batch
-        # can be left for the next one.
-        recorded.wait_for(submitted - WAKE_EVERY_STEPS + 1)
+        recorded.wait_for(20)
         assert set(recorded.threads.values()) == {"nanwatch-journal"}
+        assert journal.steps == 20
     finally:
-        journal.close()  # records what is left, in this thread
-    assert journal.steps == submitted and sorted(recorded.threads) == list(range(submitted))
+        journal.close()
     series = np.stack(journal._chunk_rows)[:, journal.series_columns.index("loss")]
-    assert series.tolist() == pytest.approx([1.0 + s / 1000 for s in range(submitted)])
-
-
-def test_the_worker_is_woken_for_the_first_step_then_once_a_batch(tmp_path):
-    journal = _journal(tmp_path)
-    held = _HeldWorker(journal)
-    try:
-        for step in range(2 * WAKE_EVERY_STEPS + 1):
-            journal.submit(step, 0, step, base_vector(SCHEMA, step))
-        assert held.wakes == 3 and journal.steps == 0
-    finally:
-        held.release()
-        journal.close()
-
-
-def test_steps_queued_when_training_pauses_reach_disk_with_the_next_flush(tmp_path):
-    journal = _journal(tmp_path)
-    held = _HeldWorker(journal)  # as if the pause came before the next batch
-    try:
-        for step in range(3):
-            journal.submit(step, 0, step, base_vector(SCHEMA, step))
-        assert journal.steps == 0 and journal.dirty
-        # What the crash-safety flusher does once flush_secs have passed.
-        crash_safety.flush_due(now=time.monotonic() + 2e9)
-        assert journal.steps == 3 and not journal.dirty
-        assert _summary_on_disk(str(tmp_path / "run"))["steps"] == 3
-    finally:
-        held.release()
-        journal.close()
+    assert series.tolist() == pytest.approx([1.0 + s / 1000 for s in range(20)])
 
 
 def test_a_nonfinite_step_is_judged_at_once_after_the_queued_ones(tmp_path):
@@ -189,14 +157,14 @@ def test_an_error_of_the_worker_is_raised_by_the_next_submit(tmp_path):
     journal = _journal(tmp_path)
     recorded = _Recorded(journal, failing_at=2)
     try:
-        for step in range(WAKE_EVERY_STEPS + 1):  # the second wake-up records step 2
+        for step in range(3):
             journal.submit(step, 0, step, base_vector(SCHEMA, step))
         recorded.wait_for(2)
         deadline = time.monotonic() + 10
         while journal._worker_error is None and time.monotonic() < deadline:
             time.sleep(0.01)
         with pytest.raises(OSError, match="disk full"):
-            journal.submit(WAKE_EVERY_STEPS + 1, 0, 0, base_vector(SCHEMA, 0))
+            journal.submit(3, 0, 3, base_vector(SCHEMA, 3))
         assert journal.steps == 2  # what was recorded stays
     finally:
         journal.close()
