@@ -37,7 +37,10 @@ _FINITE_ATTR = "_nanwatch_trigger_is_finite"
 _HELD_ATTR = "_nanwatch_held"
 _SLICE_SIZE_ATTR = "_nanwatch_slice_size"
 _GRAPH_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PACKED_TOTAL_FUNCTIONS: dict = {}  # (dtype, shape, under XLA) -> ConcreteFunction
+# Functions traced once per process (see _traced_once), by signature and
+# whether XLA compiles them.
+_PACKED_TOTAL_FUNCTIONS: dict = {}  # one tensor's packed NaN/Inf total
+_CHUNK_FUNCTIONS: dict = {}  # the count conditional of one chunk (counts_in_chunks)
 KINDS = ("nan", "inf")
 _INF_UNIT = 2**32
 # An entry of this many elements or more could overflow its packed NaN count.
@@ -200,16 +203,57 @@ def counts_in_chunks(counts: list[LazyCount], phases: list[str] | None = None) -
 
 
 def _chunk_counts(entries: list[LazyCount]) -> tf.Tensor:
-    """[nan, inf] of each entry, concatenated: zeros unless a trigger is non-finite."""
-    finite = all_finite([e.trigger for e in entries])
+    """[nan, inf] of each entry, concatenated: zeros unless a trigger is non-finite.
+
+    The conditional is a function traced once per process for each chunk
+    signature (the dtypes and shapes of the triggers and sources) and called
+    by every chunk of that signature: a model's repeated layers or blocks
+    trace their ``tf.cond`` once, and XLA converts it once (MLP: first step
+    4.4-4.6 s -> 3.9-4.1 s; bench/RESULTS.md, round 10).
+    """
+    triggers = [e.trigger for e in entries]
+    sources = [t for e in entries for t in e.sources]
+    sizes = tuple(len(e.sources) for e in entries)
+
+    def chunk(triggers: list, sources: list) -> tf.Tensor:
+        grouped, start = [], 0
+        for size in sizes:
+            grouped.append(sources[start : start + size])
+            start += size
+        return _counts_unless_finite(triggers, grouped)
+
+    key = (_signature(triggers), _signature(sources), sizes, in_xla())
+    return _traced_once(_CHUNK_FUNCTIONS, key, chunk, triggers, sources)(triggers, sources)
+
+
+def _counts_unless_finite(triggers: list, entries: list) -> tf.Tensor:
+    finite = all_finite(list(triggers))
 
     def exact() -> tf.Tensor:
-        return _exact_pairs([e.sources for e in entries])
+        return _exact_pairs(entries)
 
     def clean() -> tf.Tensor:
         return tf.zeros([len(KINDS) * len(entries)], tf.float32)
 
     return tf.cond(finite, clean, exact)
+
+
+def _signature(tensors: list) -> tuple:
+    """The dtypes and (static) shapes of ``tensors``: what a traced function is specialized to."""
+    return tuple(
+        (t.dtype.name, tuple(t.shape.as_list()) if t.shape.rank is not None else None)
+        for t in tensors
+    )
+
+
+def _traced_once(cache: dict, key: tuple, function, *examples):
+    """``function`` traced for the signatures of ``examples`` (tensors or lists
+    of them), once per ``key`` in ``cache``."""
+    if key not in cache:
+        specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), examples)
+        traced = tf.function(function, autograph=False, reduce_retracing=False)
+        cache[key] = traced.get_concrete_function(*specs)
+    return cache[key]
 
 
 def _exact_pairs(entries: list) -> tf.Tensor:
@@ -252,13 +296,8 @@ def _packed_total_function(t: tf.Tensor):
     function traced once per process: the step calls it (one op) instead of
     building its ops again for every counted tensor (a transformer counts
     ~220, most of a few shapes), and XLA converts it once per shape."""
-    shape = tuple(t.shape.as_list()) if t.shape.rank is not None else None
-    key = (t.dtype.name, shape, in_xla())
-    if key not in _PACKED_TOTAL_FUNCTIONS:
-        spec = tf.TensorSpec(t.shape, t.dtype)
-        traced = tf.function(_packed_total_of, autograph=False, reduce_retracing=False)
-        _PACKED_TOTAL_FUNCTIONS[key] = traced.get_concrete_function(spec)
-    return _PACKED_TOTAL_FUNCTIONS[key]
+    key = (_signature([t]), in_xla())
+    return _traced_once(_PACKED_TOTAL_FUNCTIONS, key, _packed_total_of, t)
 
 
 def _packed_total_of(t: tf.Tensor) -> tf.Tensor:

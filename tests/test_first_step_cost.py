@@ -256,7 +256,7 @@ def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, packed_max, mon
         phases = [p for p in "abbbc" for _ in lazy_counts.KINDS]
         out = lazy_counts.counts_in_chunks(lazies, phases)
         graph = tf.compat.v1.get_default_graph()
-        conditionals.extend(o for o in graph.get_operations() if o.type in ("If", "StatelessIf"))
+        conditionals.extend(_chunk_calls(graph))
         library.extend(f.signature.name for f in graph.as_graph_def().library.function)
         return out
 
@@ -265,11 +265,56 @@ def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, packed_max, mon
     want = [int(sum(f(t).sum() for t in entry)) for entry in entries for f in (np.isnan, np.isinf)]
     np.testing.assert_array_equal(got, want)
     assert built == [(jit_compile, [jit_compile] * 4 + [False])]
-    assert len(conditionals) == (4 if jit_compile else 0)
+    assert len(conditionals) == (4 if jit_compile else 0)  # one a chunk
     if jit_compile and packed_max == 2**32:
         # One count function per dtype and shape, called by every source of that shape.
         packed = {(t.dtype, t.shape) for entry in entries for t in entry}
         assert len([f for f in library if "packed_total_of" in f]) == len(packed) == 5
+
+
+def _chunk_calls(graph) -> list:
+    """The calls, in ``graph``, of XLA chunk count functions (one conditional each)."""
+    return [
+        op
+        for op in graph.get_operations()
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall")
+        and "chunk" in op.get_attr("f").name
+    ]
+
+
+def test_chunks_of_one_signature_share_one_traced_conditional(monkeypatch):
+    # A model's repeated layers give chunks of the same dtypes and shapes:
+    # their conditional is traced (and converted by XLA) once, and each
+    # chunk still counts its own tensors.
+    monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 4)
+    monkeypatch.setattr(lazy_counts, "XLA_MAX_CONDITIONALS", 100)  # one entry a chunk
+    rng = np.random.default_rng(0)
+    layers = []
+    for nans in (0, 1, 3, 0, 2, 5):
+        x = rng.standard_normal(8).astype("float32")
+        x[:nans] = np.nan
+        x[nans : nans + 1] = np.inf
+        layers.append(x)
+    seen = []
+
+    @tf.function(jit_compile=True)
+    def counts(*tensors):
+        lazies = []
+        for t in tensors:
+            fields = lazy_counts.transient_counts_of([t], tf.reduce_sum(t))
+            lazies += [fields[kind] for kind in lazy_counts.KINDS]
+        out = lazy_counts.counts_in_chunks(lazies)
+        graph = tf.compat.v1.get_default_graph()
+        library = graph.as_graph_def().library.function
+        calls = _chunk_calls(graph)
+        seen.append((lazy_counts.in_xla(), len(calls), len({c.get_attr("f").name for c in calls})))
+        seen.append(sum(node.op in ("If", "StatelessIf") for f in library for node in f.node_def))
+        return out
+
+    got = counts(*[tf.constant(x) for x in layers]).numpy()
+    want = [int(f(x).sum()) for x in layers for f in (np.isnan, np.isinf)]
+    np.testing.assert_array_equal(got, want)
+    assert seen == [(True, len(layers), 1), 1]
 
 
 def test_a_softmax_output_the_loss_never_reads_is_not_computed(tmp_path, monkeypatch):
