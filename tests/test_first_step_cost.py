@@ -232,6 +232,8 @@ def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, packed_max, mon
     monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 4)
     monkeypatch.setattr(lazy_counts, "PACKED_MAX_ELEMENTS", packed_max)
     monkeypatch.setattr(lazy_counts, "XLA_MAX_CONDITIONALS", 2)  # 4 entries: 2 a chunk
+    # Chunk functions are traced once per process: trace them under this packed_max.
+    monkeypatch.setattr(lazy_counts, "_CHUNK_FUNCTIONS", {})
     entries = [
         [np.array([[np.nan, 1.0], [np.inf, -np.inf]], "float32")],
         [np.arange(6, dtype="float32"), np.array([np.nan, 2.0, 3.0, 4.0], "float32")],
@@ -288,6 +290,7 @@ def test_chunks_of_one_signature_share_one_traced_conditional(monkeypatch):
     # chunk still counts its own tensors.
     monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 4)
     monkeypatch.setattr(lazy_counts, "XLA_MAX_CONDITIONALS", 100)  # one entry a chunk
+    monkeypatch.setattr(lazy_counts, "_CHUNK_FUNCTIONS", {})
     rng = np.random.default_rng(0)
     layers = []
     for nans in (0, 1, 3, 0, 2, 5):
