@@ -357,3 +357,12 @@ def report_json(log_dir) -> list[dict]:
         check=True,
     )
     return json.loads(out.stdout)["runs"]
+
+
+def is_chunk_call(op) -> bool:
+    """Whether graph op ``op`` calls an XLA chunk's traced count conditional
+    (``lazy_counts._chunk_counts``): its inputs are the chunk's triggers, then
+    its tensors."""
+    return op.type in ("PartitionedCall", "StatefulPartitionedCall") and (
+        "chunk" in op.get_attr("f").name
+    )

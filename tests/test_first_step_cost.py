@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import scenarios
 import tensorflow as tf
+from nanwatch_testlib import is_chunk_call
 from scenarios import fit, origin
 
 from tb_nanwatch import lazy_counts, step_stats
@@ -276,12 +277,7 @@ def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, packed_max, mon
 
 def _chunk_calls(graph) -> list:
     """The calls, in ``graph``, of XLA chunk count functions (one conditional each)."""
-    return [
-        op
-        for op in graph.get_operations()
-        if op.type in ("PartitionedCall", "StatefulPartitionedCall")
-        and "chunk" in op.get_attr("f").name
-    ]
+    return [op for op in graph.get_operations() if is_chunk_call(op)]
 
 
 def test_chunks_of_one_signature_share_one_traced_conditional(monkeypatch):

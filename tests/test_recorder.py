@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import scenarios
 import tensorflow as tf
+from nanwatch_testlib import is_chunk_call
 from scenarios import fit, origin
 
 import tb_nanwatch
@@ -254,14 +255,10 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(
 
 def _is_our_conditional(op) -> bool:
     """A conditional of the statistics, or a call of an XLA chunk's conditional
-    (whose first input is the chunk's first trigger, then its tensors)."""
+    (whose first input is the chunk's first trigger)."""
     from tb_nanwatch import phase_stats
 
-    if not phase_stats.is_ours(op):
-        return False
-    if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
-        return "chunk" in op.get_attr("f").name
-    return op.type in ("If", "StatelessIf")
+    return phase_stats.is_ours(op) and (op.type in ("If", "StatelessIf") or is_chunk_call(op))
 
 
 def _ancestors(op, limit: int = 500) -> set:
