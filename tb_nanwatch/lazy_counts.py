@@ -227,7 +227,7 @@ def _chunk_counts(entries: list[LazyCount]) -> tf.Tensor:
 
 
 def _counts_unless_finite(triggers: list, entries: list) -> tf.Tensor:
-    finite = all_finite(list(triggers))
+    finite = all_finite(triggers)
 
     def exact() -> tf.Tensor:
         return _exact_pairs(entries)
