@@ -208,8 +208,7 @@ class RunDiagnosis:
 
     def signals(self, vector: np.ndarray) -> StepSignals:
         """The step's loss, gradient norm and logit extremes (NaN: no logits)."""
-        low, high = self.signal_reader.logit_range(vector)
-        return StepSignals(self.header(vector, "loss"), self.header(vector, "grad_norm"), low, high)
+        return self.signal_reader.step_signals(vector)
 
     def may_be_incident(self, vector: np.ndarray) -> bool:
         """Whether judging ``vector`` (the next step) may declare the run's
@@ -232,10 +231,11 @@ class RunDiagnosis:
         if self.incident is None:
             incident = self._incident_rule(place, vector, origin, skipped)
             self.incident = incident
-        explosion = self.explosion.update(place.step, self.signal_reader.values(vector))
+        signals = self.signals(vector)
+        explosion = self.explosion.update(place.step, self.signal_reader.values(vector, signals))
         if incident is not None and explosion is None:
             explosion = self.explosion.finish()
-        return Verdict(origin, skipped, incident, explosion, self.signals(vector))
+        return Verdict(origin, skipped, incident, explosion, signals)
 
     def finish(self) -> dict | None:
         """The run ended: the explosion onset if a signal is still above its
@@ -335,6 +335,7 @@ class ExplosionDetector:
         self._unit = np.array([name in UNIT_SIGNALS for name, _ in self.signals])
         self._ring = np.full((window, size), np.nan)
         self._pos = np.zeros(size, np.intp)
+        self._columns = np.arange(size)
         self._count = np.zeros(size, np.intp)
         self._initial = np.full(size, np.nan)
         self._frozen = np.zeros(size, bool)
@@ -342,6 +343,11 @@ class ExplosionDetector:
         self._above = np.zeros(size, np.int64)
         self._stretch = np.full(size, -1, np.int64)
         self._ratio = np.zeros(size)
+        # Once every window is full (see _steady_update): the reference's
+        # floor, which no longer changes, and how many values of a window
+        # must lie below a level for its median to be able to.
+        self._floor_line: np.ndarray | None = None
+        self._half = -(-window // 2)
         self.onset: dict | None = None
 
     def update(self, step: int, values: Sequence[float]) -> dict | None:
@@ -349,6 +355,10 @@ class ExplosionDetector:
         returns the onset the first time a signal explodes."""
         values = np.abs(np.asarray(values, np.float64))
         finite = np.isfinite(values)
+        if self._floor_line is not None and finite.all():
+            steady = self._steady_update(step, values)
+            if steady is not False:
+                return steady
         reference = self._reference(finite)
         judged = finite & (reference > 0)
         ratio = np.divide(values, reference, out=np.zeros_like(values), where=judged)
@@ -391,9 +401,41 @@ class ExplosionDetector:
         self._initial = np.where(warm, np.fmin(self._initial, median), self._initial)
         self._frozen |= self._count == self._ring.shape[0]
         self._lowest = np.where(known, np.fmin(self._lowest, median), self._lowest)
-        reference = np.fmax(self._lowest, self.floor_ratio * self._initial)
-        reference = np.where(self._unit, np.fmax(reference, 1.0), reference)
-        return np.where(known, reference, np.nan)
+        floor_line = self.floor_ratio * self._initial
+        floor_line = np.where(self._unit, np.fmax(floor_line, 1.0), floor_line)
+        if self._floor_line is None and self._frozen.all():
+            self._floor_line = floor_line
+        return np.where(known, np.fmax(self._lowest, floor_line), np.nan)
+
+    def _steady_update(self, step: int, values: np.ndarray) -> dict | None | bool:
+        """:meth:`update` once every window is full, for a step whose values
+        are all finite: the same rule, in less time (it runs on every
+        training step; 15 signals: 65 -> 26 us, 300 signals: 163 -> 43 us
+        on the bench machine). False when a reference is 0 (the general
+        path judges that step).
+
+        A median can only lower ``_lowest`` if half the window lies below
+        it, so medians are taken only for the signals where it does (a
+        loss trained down, typically).
+        """
+        ring, lowest = self._ring, self._lowest
+        may_lower = np.count_nonzero(ring < lowest, axis=0) >= self._half
+        if may_lower.any():
+            columns = np.flatnonzero(may_lower)
+            lowest[columns] = np.fmin(lowest[columns], np.median(ring[:, columns], axis=0))
+        reference = np.fmax(lowest, self._floor_line)
+        if not (reference > 0).all():
+            return False
+        ratio = values / reference
+        rising = ratio > self.rise
+        self._stretch = np.where(rising, np.where(self._stretch < 0, step, self._stretch), -1)
+        self._above = np.where(ratio > self.factor, self._above + 1, 0)
+        self._ratio = ratio
+        ring[self._pos, self._columns] = values
+        self._pos = (self._pos + 1) % ring.shape[0]
+        if self.onset is None and (self._above >= self.patience).any():
+            return self._fire(self._above >= self.patience)
+        return None
 
     def _push(self, values: np.ndarray, finite: np.ndarray) -> None:
         columns = np.flatnonzero(finite)
@@ -442,14 +484,23 @@ class SignalReader:
         """The smallest and largest logit of the step (NaN, NaN: no logits)."""
         if not len(self._logit_min):
             return math.nan, math.nan
+        if len(self._logit_min) == 1:
+            return float(vector[self._logit_min[0]]), float(vector[self._logit_max[0]])
         return float(np.min(vector[self._logit_min])), float(np.max(vector[self._logit_max]))
 
-    def values(self, vector: np.ndarray) -> np.ndarray:
-        """One value per signal, in ``signals`` order (NaN where unknown)."""
-        vector = np.asarray(vector, np.float64)
-        head = [abs(vector[self._loss]), abs(vector[self._grad_norm])]
+    def step_signals(self, vector: np.ndarray) -> StepSignals:
+        """The step's loss, gradient norm and logit extremes (NaN: no logits)."""
+        low, high = self.logit_range(vector)
+        return StepSignals(float(vector[self._loss]), float(vector[self._grad_norm]), low, high)
+
+    def values(self, vector: np.ndarray, signals: StepSignals | None = None) -> np.ndarray:
+        """One value per signal, in ``signals`` order (NaN where unknown);
+        ``signals``: the vector's :meth:`step_signals`, if already read."""
+        vector = np.asarray(vector)
+        step = signals if signals is not None else self.step_signals(vector)
+        head = [abs(step.loss), abs(step.grad_norm)]
         if len(self._logit_min):
-            low, high = self.logit_range(vector)
+            low, high = step.logit_min, step.logit_max
             head.append(max(abs(low), abs(high)) if not math.isnan(low + high) else math.nan)
         layers = np.maximum(np.abs(vector[self._act_min]), np.abs(vector[self._act_max]))
-        return np.concatenate([np.array(head), layers])
+        return np.concatenate([head, layers], dtype=np.float64)

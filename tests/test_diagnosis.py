@@ -264,6 +264,46 @@ def test_a_layer_whose_max_abs_explodes_while_the_loss_is_steady():
     assert 81 <= onset["step"] <= 83  # 3^3 x = 54: above 10x the reference
 
 
+@pytest.mark.parametrize("window", [4, 5, 25])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_steady_state_shortcut_judges_every_step_as_the_full_rule(seed, window, monkeypatch):
+    # Once every window is full, update() takes medians only where one can
+    # lower the reference (_steady_update). Fed the same steps (trends, zeros,
+    # spikes, non-finite values, explosions), it must decide exactly as the
+    # full rule does at every step.
+    rng = np.random.default_rng(seed)
+    steps = 400
+    t = np.arange(steps)
+    columns = np.stack(
+        [
+            2.0 * np.exp(-t / 80) * rng.lognormal(0, 0.3, steps),  # trained down
+            rng.lognormal(0, 1.0, steps),
+            np.where(rng.random(steps) < 0.05, 0.0, rng.lognormal(2, 0.5, steps)),
+            1e-3 * rng.lognormal(0, 0.2, steps),  # a unit signal below 1
+        ],
+        axis=1,
+    )
+    columns[rng.random(columns.shape) < 0.02] = np.nan
+    columns[rng.random(columns.shape) < 0.01] = np.inf
+    for at in rng.integers(window, steps, 3):
+        column = int(rng.integers(0, 4))
+        columns[at : at + 6, column] *= 10.0 ** rng.integers(2, 7)
+    signals = [("loss", None), ("grad_norm", None), ("activation", "a"), ("logits", None)]
+    shortcut = diagnosis.ExplosionDetector(signals, window=window, patience=2)
+    full = diagnosis.ExplosionDetector(signals, window=window, patience=2)
+    monkeypatch.setattr(full, "_steady_update", lambda step, values: False)
+    taken = 0
+    for step, row in enumerate(columns):
+        steady = shortcut._floor_line is not None and np.isfinite(row).all()
+        taken += steady
+        assert shortcut.update(step, row) == full.update(step, row)
+        for name in ("_lowest", "_stretch", "_above", "_ratio", "_ring"):
+            np.testing.assert_array_equal(getattr(shortcut, name), getattr(full, name), name)
+    assert shortcut.pending() == full.pending()
+    assert shortcut.finish() == full.finish()
+    assert taken > steps / 2  # the shortcut really ran
+
+
 def test_the_factor_must_exceed_the_rise():
     with pytest.raises(ValueError, match="factor"):
         diagnosis.ExplosionDetector(factor=5.0)
