@@ -206,10 +206,6 @@ class RunDiagnosis:
         """A header field (``"loss"``, ``"loss_scale"``, ...) of ``vector``."""
         return float(vector[self._header[field]])
 
-    def signals(self, vector: np.ndarray) -> StepSignals:
-        """The step's loss, gradient norm and logit extremes (NaN: no logits)."""
-        return self.signal_reader.step_signals(vector)
-
     def may_be_incident(self, vector: np.ndarray) -> bool:
         """Whether judging ``vector`` (the next step) may declare the run's
         incident: none is known yet, and a count is non-zero or the loss
@@ -231,7 +227,7 @@ class RunDiagnosis:
         if self.incident is None:
             incident = self._incident_rule(place, vector, origin, skipped)
             self.incident = incident
-        signals = self.signals(vector)
+        signals = self.signal_reader.step_signals(vector)
         explosion = self.explosion.update(place.step, self.signal_reader.values(vector, signals))
         if incident is not None and explosion is None:
             explosion = self.explosion.finish()
