@@ -15,6 +15,9 @@ every gradient it asks for, every weight after the update) and one transfer
 of the results: no min/max, norms, counts, packing or host work. It is what
 any per-tensor, every-step check of those tensors costs at least on this
 machine, and so how low NanWatch's ratio can go without checking fewer tensors.
+With ``--front-end fit --floor-counts``, ``floor_counts`` adds to it the exact
+NaN/Inf counts of those tensors, built as NanWatch builds them: the floor of a
+check that also counts.
 
 Each variant's memory is measured too: the peak bytes a step allocates above
 what was resident before it (TensorFlow's allocator statistics), the least
@@ -124,8 +127,8 @@ def _fit_runner(model, batches, variant: str, log_dir: str):
     from tb_nanwatch import train_step
 
     callback = None
-    if variant == "floor":
-        floor = FloorRecorder(model)
+    if variant.startswith("floor"):
+        floor = FloorRecorder(model, exact_counts=variant == "floor_counts")
         floor.taps.install()
         train_step.instrument(model, floor)
     elif variant == "nanwatch":
@@ -144,8 +147,11 @@ def _fit_runner(model, batches, variant: str, log_dir: str):
     return run
 
 
-def make_steps(spec: str, variants: list[str], log_root: str, front_end: str = "loop") -> dict:
-    """One runner per variant, each on its own copy of the same model."""
+def make_steps(
+    spec: str, variants: list[str], log_root: str, front_end: str = "loop", jit: bool = False
+) -> dict:
+    """One runner per variant, each on its own copy of the same model
+    (compiled by XLA with ``jit``: the ``fit`` front end only)."""
     import keras
     import tensorflow as tf
     import worker
@@ -156,7 +162,7 @@ def make_steps(spec: str, variants: list[str], log_root: str, front_end: str = "
     steps = {}
     for variant in variants:
         keras.utils.set_random_seed(0)
-        model, x, y = worker.build(shape)
+        model, x, y = worker.build(shape, jit_compile=jit)
         n = shape["batch"]
         batches = [
             (tf.constant(x[i * n : (i + 1) * n]), tf.constant(y[i * n : (i + 1) * n]))
@@ -180,6 +186,7 @@ def make_steps(spec: str, variants: list[str], log_root: str, front_end: str = "
             run = _watched_runner(model, optimizer, loss_fn, batches, watcher)
         for i in range(10):  # tracing and first-call costs
             run(i)
+        run.xla = bool(getattr(model, "jit_compile", False))  # whether XLA stayed on
         steps[variant] = run
     return steps
 
@@ -200,9 +207,14 @@ def peak_step_memory(run, steps: int = 5) -> int:
 
 
 def measure(
-    spec: str, pairs: int, variants: list[str], log_root: str, front_end: str = "loop"
+    spec: str,
+    pairs: int,
+    variants: list[str],
+    log_root: str,
+    front_end: str = "loop",
+    jit: bool = False,
 ) -> dict:
-    steps = make_steps(spec, variants, log_root, front_end)
+    steps = make_steps(spec, variants, log_root, front_end, jit)
     peaks = {v: peak_step_memory(steps[v]) for v in variants}
     times = {v: np.zeros(pairs) for v in variants}
     order = list(variants)
@@ -224,9 +236,10 @@ def measure(
                 "ratio_q25": float(np.percentile(ratio, 25)),
                 "ratio_q75": float(np.percentile(ratio, 75)),
                 "step_peak_bytes": int(peaks[v]),
+                "xla": steps[v].xla,
             }
         )
-    return {"model": spec, "front_end": front_end, "pairs": pairs, "rows": rows}
+    return {"model": spec, "front_end": front_end, "jit": jit, "pairs": pairs, "rows": rows}
 
 
 def main() -> None:
@@ -240,23 +253,40 @@ def main() -> None:
         help="loop: a custom training loop with StepWatcher; fit: Keras' train "
         "function with the NanWatch callback, as fit calls them",
     )
+    parser.add_argument(
+        "--floor-counts",
+        action="store_true",
+        help="with --front-end fit, also floor_counts: the floor plus exact NaN/Inf "
+        "counts of the same tensors, built as NanWatch builds them",
+    )
+    parser.add_argument(
+        "--jit", action="store_true", help="with --front-end fit: every model jit_compile=True"
+    )
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args()
+    if args.floor_counts and args.front_end != "fit":
+        parser.error("--floor-counts needs --front-end fit")
+    if args.jit and args.front_end != "fit":
+        parser.error("--jit needs --front-end fit")
     variants = ["plain", "floor", "nanwatch"]
     if args.front_end == "loop":
         variants.append("nanwatch_every_step")
+    if args.floor_counts:
+        variants.insert(2, "floor_counts")
     results = []
     with tempfile.TemporaryDirectory(prefix="nwpaired-") as log_root:
         for spec in args.models.split(","):
-            result = measure(spec, args.pairs, variants, log_root, args.front_end)
+            result = measure(spec, args.pairs, variants, log_root, args.front_end, args.jit)
             results.append(result)
-            print(f"== {spec}, {args.front_end} ({args.pairs} pairs)")
+            xla = ", jit_compile=True" if args.jit else ""
+            print(f"== {spec}, {args.front_end}{xla} ({args.pairs} pairs)")
             for row in result["rows"]:
                 print(
                     f"  {row['variant']:22s} median {row['median_ms']:7.2f} ms/step  "
                     f"paired ratio {row['ratio_median']:.3f} "
                     f"[q25 {row['ratio_q25']:.3f}, q75 {row['ratio_q75']:.3f}]  "
-                    f"step peak {row['step_peak_bytes'] / 2**20:.2f} MiB above resident",
+                    f"step peak {row['step_peak_bytes'] / 2**20:.2f} MiB above resident"
+                    + ("  (XLA)" if row["xla"] else ""),
                     flush=True,
                 )
     if args.json:

@@ -17,7 +17,9 @@ runs ``model.fit`` and reports:
 Variants: ``plain`` (``fit``), ``nanwatch`` (``fit`` with ``NanWatch`` at its
 defaults), ``floor`` (``fit`` whose step also takes one bare ``reduce_sum`` of
 every tensor NanWatch reads and hands them to the host once a step: the least
-any every-step, per-tensor check costs) and, with ``--before TREE``,
+any every-step, per-tensor check costs), ``floor_counts`` (the floor plus the
+exact NaN/Inf count of each of those tensors, built as NanWatch builds them;
+``--variants plain,floor,floor_counts,nanwatch``) and, with ``--before TREE``,
 ``nanwatch_before`` (NanWatch imported from another checkout). The processes
 run interleaved (plain, floor, nanwatch, ... then again in reverse order), and
 each ratio is the median over repeats of (variant / plain of the same repeat),

@@ -32,11 +32,19 @@ def vm_kib(field: str) -> int:
 class FloorRecorder:
     """Stands in for NanWatch's recorder in its instrumented Keras step: the
     same watched tensors, but only one bare ``reduce_sum`` of each, handed to
-    the host once a step (``train_step.instrument`` routes the row here)."""
+    the host once a step (``train_step.instrument`` routes the row here).
+
+    With ``exact_counts`` (the ``floor_counts`` variant) the row also holds
+    the exact NaN and Inf count of every one of those tensors, each sum its
+    trigger, built as NanWatch builds them (``tb_nanwatch.lazy_counts``: held
+    and counted in one rare conditional, under XLA a few at a time): what
+    exact counts cost on top of the floor, without NanWatch's other
+    statistics (min, max, norms) and host side.
+    """
 
     steps_per_execution = 1
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, exact_counts: bool = False) -> None:
         from tb_nanwatch.recorder import StepRecorder
         from tb_nanwatch.taps import LayerTaps
 
@@ -45,6 +53,8 @@ class FloorRecorder:
         self.watched_tensors = StepRecorder.watched_tensors
         self.device = self
         self.tensors_read = 0
+        self.exact_counts = exact_counts
+        self._counts: list = []  # the lazy counts of the step being traced
 
     def guarded(self, method, *args):
         return method(*args)
@@ -53,19 +63,55 @@ class FloorRecorder:
         import tensorflow as tf
         import worker
 
-        return [
-            tf.reduce_sum(t) for t in worker.floor_reads(inputs.trace, inputs.grads, inputs.y_pred)
-        ]
+        from tb_nanwatch import lazy_counts
+
+        tensors = worker.floor_reads(inputs.trace, inputs.grads, inputs.y_pred)
+        sums = [tf.reduce_sum(t) for t in tensors]
+        self._counts = []
+        if self.exact_counts:
+            for t, total in zip(tensors, sums, strict=True):
+                if t.dtype.is_floating:
+                    trigger = tf.cast(total, tf.float32)
+                    self._counts += lazy_counts.transient_counts_of([t], trigger).values()
+        return sums
 
     def after_update(self, sums, weights):
         import tensorflow as tf
 
-        sums = sums + [tf.reduce_sum(v) for v in weights]
-        self.tensors_read = len(sums)
-        return tf.cast(tf.stack(sums), tf.float32)
+        from tb_nanwatch import lazy_counts
+
+        if self.exact_counts:  # the counts read each weight once
+            weights = [tf.convert_to_tensor(v) for v in weights]
+        weight_sums = [tf.reduce_sum(v) for v in weights]
+        row = tf.cast(tf.stack(sums + weight_sums), tf.float32)
+        self.tensors_read = len(sums) + len(weight_sums)
+        if not self.exact_counts:
+            return row
+        counts = list(self._counts)
+        for v, total in zip(weights, weight_sums, strict=True):
+            if v.dtype.is_floating:
+                counts += lazy_counts.counts_of([v], tf.cast(total, tf.float32)).values()
+        return tf.concat([row, _exact_counts(counts)], 0)
 
     def hand_over(self, row) -> None:
         row.numpy()
+
+
+def _exact_counts(counts: list):
+    """Every lazy count of ``counts``, as NanWatch's step computes them."""
+    import tensorflow as tf
+
+    from tb_nanwatch import lazy_counts
+    from tb_nanwatch.step_stats import rare_cond
+
+    if lazy_counts.in_xla():
+        return lazy_counts.counts_in_chunks(counts)
+    triggers = list({id(c.trigger): c.trigger for c in counts}.values())
+    return rare_cond(
+        tf.logical_not(lazy_counts.all_finite(triggers)),
+        lambda: lazy_counts.exact_counts(counts),
+        lambda: tf.zeros([len(counts)], tf.float32),
+    )
 
 
 class Probe:
@@ -104,7 +150,9 @@ def dir_bytes(path: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("variant", choices=["plain", "floor", "nanwatch", "nanwatch_before"])
+    parser.add_argument(
+        "variant", choices=["plain", "floor", "floor_counts", "nanwatch", "nanwatch_before"]
+    )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--jit", action="store_true")
@@ -127,10 +175,10 @@ def main() -> None:
         log_dir = tempfile.mkdtemp(prefix="nwreal-")
         callbacks.append(tb_nanwatch.NanWatch(log_dir))
     started = time.perf_counter()
-    if args.variant == "floor":
+    if args.variant.startswith("floor"):
         from tb_nanwatch import train_step
 
-        floor = FloorRecorder(model)
+        floor = FloorRecorder(model, exact_counts=args.variant == "floor_counts")
         floor.taps.install()
         train_step.instrument(model, floor)
     steps = args.warmup + args.steps + 1
