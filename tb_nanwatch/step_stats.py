@@ -25,7 +25,8 @@ statistics are built from as few ops as possible, each one full pass at most:
   finite sum that overflows only makes the check conservative.
 * Reductions run in the tensor's own dtype where that is exact (min, max), so
   a float16 activation is not first copied to float32.
-* Gradients keep *half* sums of squares (``tf.nn.l2_loss``, one fused op);
+* Gradients keep *half* sums of squares (``tf.nn.l2_loss``, one fused op;
+  under XLA on a CPU summed by rows of 4 first, see ``half_sum_squares``);
   the factor 2 and the square root are applied once, to the packed vector.
 """
 
@@ -146,19 +147,52 @@ _HALF_SUMSQ_ATTR = "_nanwatch_half_sum_squares"
 
 
 def half_sum_squares(t) -> tf.Tensor:
-    """sum(t**2) / 2 as float32: one fused ``L2Loss`` op, cached on the tensor
-    so that a tensor watched twice is reduced once."""
+    """sum(t**2) / 2 as float32: one fused ``L2Loss`` op (under XLA on a CPU,
+    :func:`_half_sum_squares_by_rows`), cached on the tensor so that a tensor
+    watched twice is reduced once."""
     if isinstance(t, tf.IndexedSlices):
         t = t.values
     cached = getattr(t, _HALF_SUMSQ_ATTR, None)
     if cached is not None:
         return cached
-    value = tf.nn.l2_loss(_f32(t))
+    size = t.shape.num_elements()
+    if size and size % _XLA_CPU_ROW == 0 and lazy_counts.in_xla() and _host_only():
+        value = _half_sum_squares_by_rows(t, size)
+    else:
+        value = tf.nn.l2_loss(_f32(t))
     try:
         setattr(t, _HALF_SUMSQ_ATTR, value)
     except AttributeError:
         pass
     return value
+
+
+# See _half_sum_squares_by_rows.
+_XLA_CPU_ROW = 4
+_HOST_ONLY: bool | None = None
+
+
+def _host_only() -> bool:
+    """Whether this process sees no GPU or TPU (checked once)."""
+    global _HOST_ONLY
+    if _HOST_ONLY is None:
+        accelerators = ("GPU", "TPU")
+        _HOST_ONLY = not any(tf.config.list_logical_devices(kind) for kind in accelerators)
+    return _HOST_ONLY
+
+
+def _half_sum_squares_by_rows(t: tf.Tensor, size: int) -> tf.Tensor:
+    """sum(t**2) / 2 for XLA on a CPU, by rows of ``_XLA_CPU_ROW`` elements.
+
+    XLA's CPU backend splits a large reduction into passes and does not fuse
+    the square into them: ``L2Loss`` writes a full-size copy of the squares
+    first. Summed by rows of 4 first, the square fuses into that short
+    reduction and only a quarter-size vector is written (30 tensors of a
+    transformer's shapes: the step's cost of their norms 6.2-6.7 ms -> 2.9-3.4
+    ms; rows of 2 or 8 no better, 16 or 32 worse; bench/RESULTS.md, round 12).
+    """
+    rows = tf.reshape(_f32(t), [size // _XLA_CPU_ROW, _XLA_CPU_ROW])
+    return 0.5 * tf.reduce_sum(tf.reduce_sum(rows * rows, axis=1))
 
 
 def sum_squares(t) -> tf.Tensor:

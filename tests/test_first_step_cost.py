@@ -199,6 +199,28 @@ def test_the_xla_step_has_no_op_lowered_through_mlir_one_at_a_time(tmp_path):
     assert not types & MLIR_LOWERED
 
 
+@pytest.mark.parametrize("poison", [None, np.nan, np.inf])
+@pytest.mark.parametrize(("shape", "by_rows"), [((64, 256), True), ((12,), True), ((3, 5), False)])
+def test_gradient_norms_under_xla_on_a_cpu_sum_rows_first(shape, by_rows, poison):
+    # XLA's CPU backend writes out x*x before a large reduction; summed by
+    # rows of 4 first, only a quarter of it is written. Same value, same NaN/Inf.
+    x = np.random.default_rng(0).standard_normal(shape).astype("float32")
+    if poison is not None:
+        x.flat[x.size // 2] = poison
+    ops = []
+
+    @tf.function(jit_compile=True)
+    def norms(t):
+        out = step_stats.half_sum_squares(t)
+        ops.extend(op.type for op in tf.compat.v1.get_default_graph().get_operations())
+        return out
+
+    got = float(norms(tf.constant(x)))
+    want = 0.5 * float(np.sum(x.astype("float64") ** 2))
+    np.testing.assert_allclose(got, want, rtol=1e-5)  # NaN equals NaN, Inf equals Inf
+    assert ("L2Loss" in ops) == (not by_rows)  # sizes not a multiple of 4 keep L2Loss
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_non_finite_tests_agree_with_numpy_in_and_out_of_xla(jit_compile, dtype):
