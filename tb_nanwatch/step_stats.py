@@ -155,8 +155,13 @@ def half_sum_squares(t) -> tf.Tensor:
     cached = getattr(t, _HALF_SUMSQ_ATTR, None)
     if cached is not None:
         return cached
-    size = t.shape.num_elements()
-    if size and size % _XLA_CPU_ROW == 0 and lazy_counts.in_xla() and _host_only():
+    size = t.shape.num_elements() or 0
+    if (
+        size >= _XLA_CPU_ROWS_MIN
+        and size % _XLA_CPU_ROW == 0
+        and lazy_counts.in_xla()
+        and _host_only()
+    ):
         value = _half_sum_squares_by_rows(t, size)
     else:
         value = tf.nn.l2_loss(_f32(t))
@@ -167,8 +172,11 @@ def half_sum_squares(t) -> tf.Tensor:
     return value
 
 
-# See _half_sum_squares_by_rows.
+# See _half_sum_squares_by_rows. Smaller tensors keep the one L2Loss op:
+# their squares' copy costs less a step than the four more ops cost XLA to
+# compile once.
 _XLA_CPU_ROW = 4
+_XLA_CPU_ROWS_MIN = lazy_counts.HOLD_MIN_ELEMENTS
 _HOST_ONLY: bool | None = None
 
 
