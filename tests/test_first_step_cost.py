@@ -213,8 +213,11 @@ def test_gradient_norms_under_xla_on_a_cpu_sum_rows_first(shape, by_rows, poison
         x.flat[x.size // 2] = poison
     ops = []
 
+    in_xla = []
+
     @tf.function(jit_compile=True)
     def norms(t):
+        in_xla.append(lazy_counts.in_xla())
         out = step_stats.half_sum_squares(t)
         ops.extend(op.type for op in tf.compat.v1.get_default_graph().get_operations())
         return out
@@ -222,6 +225,7 @@ def test_gradient_norms_under_xla_on_a_cpu_sum_rows_first(shape, by_rows, poison
     got = float(norms(tf.constant(x)))
     want = 0.5 * float(np.sum(x.astype("float64") ** 2))
     np.testing.assert_allclose(got, want, rtol=1e-5)  # NaN equals NaN, Inf equals Inf
+    assert in_xla == [True]  # the step was built for XLA
     assert ("L2Loss" in ops) == (not by_rows)
 
 
