@@ -1,0 +1,103 @@
+"""Measuring ablations: NanWatch with parts of its step taken out, to see what each part costs.
+
+What a part costs is what taking it out saves: each run here is ``realistic_child.py``'s run of
+NanWatch (one fresh process: time to the first step, step time, peak RSS and device memory), with
+the named parts replaced by what a healthy step computes without them. An ablated NanWatch records
+wrong statistics (without ``counts`` a NaN is seen only once it reaches the loss): a measuring tool, never a setting.
+
+Parts:
+
+* ``counts``: the exact NaN/Inf counts' conditional at the end of the step (under XLA, the
+  chunks' conditionals); every watched tensor's count is then 0 (only the loss's own counts,
+  computed in place, still see a NaN);
+* ``copy``: the conditional that copies the weights before a step that may be non-finite
+  (``pre_step_weights="on_suspect"``, the default);
+* ``stash``: the conditional that keeps a non-finite step's batch;
+* ``holds``: the ops that let a watched tensor go before the end of the step (outside XLA); the
+  counts' conditional then takes each tensor as it is.
+
+    python bench/ablate.py resnet50 --without counts
+    python bench/ablate.py transformer --without copy,stash --jit --steps 10
+
+bench/RESULTS.md, round 13, has what these measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+PARTS = ("counts", "copy", "stash", "holds")
+# The function whose rare conditional each part is (see ``without``).
+_CONDITIONAL_OF = {
+    "counts": "_sum_vector",
+    "copy": "copy_pre_step_weights",
+    "stash": "write_row",
+}
+
+
+@contextlib.contextmanager
+def without(parts) -> Iterator[None]:
+    """NanWatch's step, traced while this is active, lacks ``parts`` (see the module docstring)."""
+    import tensorflow as tf
+
+    from tb_nanwatch import lazy_counts, step_stats
+
+    parts = set(parts)
+    unknown = parts - set(PARTS)
+    if unknown:
+        raise ValueError(f"--without: unknown part(s) {sorted(unknown)}; choose from {PARTS}")
+    callers = {_CONDITIONAL_OF[p] for p in parts if p in _CONDITIONAL_OF}
+    rare_cond = step_stats.rare_cond
+
+    def ablated_rare_cond(pred, true_fn, false_fn):
+        # Called from the function that owns the conditional: a healthy step's branch, inline.
+        if sys._getframe(1).f_code.co_name in callers:
+            return false_fn()
+        return rare_cond(pred, true_fn, false_fn)
+
+    replaced = [(step_stats, "rare_cond", ablated_rare_cond)]
+    if "counts" in parts:
+        replaced.append(
+            (lazy_counts, "counts_in_chunks", lambda counts, phases=None: tf.zeros([len(counts)]))
+        )
+    if "holds" in parts:
+        replaced.append((lazy_counts, "held_if_non_finite", lambda t, trigger_value: t))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in replaced]
+    for module, name, value in replaced:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Other arguments (--jit, --steps, --warmup) go to realistic_child.py.",
+    )
+    parser.add_argument("model", help="mlp, conv, lstm, resnet50 or transformer")
+    parser.add_argument("--without", required=True, help=f"comma list from {', '.join(PARTS)}")
+    args, child_args = parser.parse_known_args()
+    parts = args.without.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--without: unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+    import realistic_child
+
+    sys.argv = ["realistic_child.py", args.model, "nanwatch", *child_args]
+    print(f"NanWatch without: {args.without}", flush=True)
+    with without(parts):
+        realistic_child.main()
+
+
+if __name__ == "__main__":
+    main()
