@@ -60,3 +60,24 @@ def test_the_parts_come_back_and_unknown_parts_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"--without: unknown part\(s\) \['count'\]"):
         with without(["count"]):
             pass
+
+
+def test_without_holds_the_counts_take_each_tensor_as_it_is():
+    import tensorflow as tf
+
+    from tb_nanwatch import lazy_counts
+
+    sources = {}
+
+    @tf.function
+    def step(x):
+        trigger = tf.reduce_sum(x)
+        sources[len(sources)] = lazy_counts.transient_counts_of([x], trigger)["nan"].sources[0]
+        return trigger
+
+    x = tf.zeros([lazy_counts.HOLD_MIN_ELEMENTS])  # large enough to be held
+    step(x)
+    with without(["holds"]):
+        tf.function(step.python_function)(x)  # the same step, traced afresh
+    assert sources[0].op.type == "Slice"  # held: let go of on a healthy step
+    assert sources[1].op.type == "Placeholder"  # the tensor itself
