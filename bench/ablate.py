@@ -3,7 +3,8 @@
 What a part costs is what taking it out saves: each run here is ``realistic_child.py``'s run of
 NanWatch (one fresh process: time to the first step, step time, peak RSS and device memory), with
 the named parts replaced by what a healthy step computes without them. An ablated NanWatch records
-wrong statistics (without ``counts`` a NaN is seen only once it reaches the loss): a measuring tool, never a setting.
+wrong statistics (without ``counts`` a NaN is seen only once it reaches the loss): a measuring
+tool, never a setting.
 
 Parts:
 
@@ -52,7 +53,9 @@ def without(parts) -> Iterator[None]:
     parts = set(parts)
     unknown = parts - set(PARTS)
     if unknown:
-        raise ValueError(f"--without: unknown part(s) {sorted(unknown)}; choose from {PARTS}")
+        raise ValueError(
+            f"--without: unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}"
+        )
     callers = {_CONDITIONAL_OF[p] for p in parts if p in _CONDITIONAL_OF}
     rare_cond = step_stats.rare_cond
 
@@ -87,15 +90,15 @@ def main() -> None:
     parser.add_argument("model", help="mlp, conv, lstm, resnet50 or transformer")
     parser.add_argument("--without", required=True, help=f"comma list from {', '.join(PARTS)}")
     args, child_args = parser.parse_known_args()
-    parts = args.without.split(",")
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        parser.error(f"--without: unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
     import realistic_child
 
-    sys.argv = ["realistic_child.py", args.model, "nanwatch", *child_args]
-    print(f"NanWatch without: {args.without}", flush=True)
-    with without(parts):
+    with contextlib.ExitStack() as ablated:
+        try:
+            ablated.enter_context(without(args.without.split(",")))
+        except ValueError as error:  # an unknown part, before anything is built
+            parser.error(str(error))
+        print(f"NanWatch without: {args.without}", flush=True)
+        sys.argv = ["realistic_child.py", args.model, "nanwatch", *child_args]
         realistic_child.main()
 
 
