@@ -18,6 +18,7 @@ holds the exact state that produced it (:meth:`pre_step_state`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -65,7 +66,9 @@ class DeviceRecord:
 
     # -- in the compiled step ------------------------------------------------------
 
-    def ensure(self, vector_size: int, data, weights: list) -> list[tf.Tensor]:
+    def ensure(
+        self, vector_size: int, data, weights: list, retrace: bool = True
+    ) -> list[tf.Tensor]:
         """Creates the variables on the first trace (eagerly); the flat batch.
 
         Every variable is replica-local (``ON_READ``): each replica writes its
@@ -73,6 +76,11 @@ class DeviceRecord:
         reads them once per execution. The buffer rows are identical on every
         replica (the statistics are reduced before they are written); the
         batch stash holds each replica's own shard.
+
+        ``retrace``: whether the tf.function being traced is to see the
+        variables created, so that it traces the step again and never runs
+        this trace (see ``StepRecorder.before_update``); otherwise they are
+        kept from it and this trace is the one that runs.
         """
         batch = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
         self._batch_structure = tf.nest.map_structure(lambda t: None if t is None else 0, data)
@@ -91,7 +99,7 @@ class DeviceRecord:
             # XLA cannot assign a new shape to a variable; elsewhere the
             # copies start empty and take their shape when first written.
             growable = not lazy_counts.in_xla()
-            with tf.init_scope():
+            with tf.init_scope(), _hidden_from_tf_function(not retrace):
                 self._create(width, batch, weights, growable)
                 self._replicas = replicas
         return batch
@@ -256,6 +264,22 @@ def _nonfinite_and_incident(schema: Schema, vector: tf.Tensor) -> tuple[tf.Tenso
     nonfinite = tf.reduce_sum(tf.gather(vector, tf.constant(sorted(counts), tf.int32))) > 0
     skipped = vector[schema.header_index("skipped")] > 0
     return nonfinite, tf.logical_and(nonfinite, tf.logical_not(skipped))
+
+
+@contextlib.contextmanager
+def _hidden_from_tf_function(hidden: bool):
+    """Variables created inside are kept from the tf.function being traced
+    (when ``hidden``): it retraces a step whose first trace created
+    variables, and runs only the second trace."""
+    if not hidden:
+        yield
+        return
+
+    def unlifted(next_creator, **kwargs):
+        return next_creator(**{**kwargs, "experimental_enable_variable_lifting": False})
+
+    with tf.variable_creator_scope(unlifted):
+        yield
 
 
 def _local_variable(initial, name: str, shape=None) -> tf.Variable:

@@ -14,6 +14,7 @@ weight copies, the one host read). The Keras train step
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import keras
 import tensorflow as tf
@@ -55,6 +56,7 @@ class StepRecorder:
         # Layers called in the step with no float output (see ``not_watched``).
         self.not_float_layers: list[str] = []
         self.strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+        self._discarded_trace = None  # see _trace_never_runs
 
     @property
     def steps_per_execution(self) -> int:
@@ -90,18 +92,16 @@ class StepRecorder:
             self.not_float_layers = [p for p in inputs.trace.not_float if p not in seen]
             seen.update(inputs.trace.not_float)
             self.unwatched_layers = [p for p in self.tapped_layers if p not in seen]
-        # A trace that creates the device record's variables is never run: a
-        # tf.function whose first trace creates variables traces again and
-        # runs only that second trace. The entries (for the variables'
-        # shapes) are all it needs.
-        schema_only = self._trace_never_runs()
+        # A trace that is never run needs only the entries (for the
+        # variables' shapes); see _trace_never_runs.
+        schema_only = self._trace_never_runs(inputs)
         with tf.name_scope(STATS_SCOPE):
             builder = self.statistics.before_update(
                 inputs, step_stats.SchemaOnlyBuilder() if schema_only else None
             )
             # The buffer's width is known only now; create it before any use.
             size = _vector_size_after_update(builder, inputs.weights)
-            batch = self.device.ensure(size, inputs.data, inputs.weights)
+            batch = self.device.ensure(size, inputs.data, inputs.weights, retrace=schema_only)
             if schema_only:
                 return PendingStep(builder, batch, [])
             self.device.copy_pre_step_weights(inputs.weights, builder.maybe_nonfinite)
@@ -124,13 +124,26 @@ class StepRecorder:
         readers_first(pending.gradients)
         return row
 
-    def _trace_never_runs(self) -> bool:
-        """Whether the step being traced creates (or, on another replica,
-        created) the device record's variables."""
+    def _trace_never_runs(self, inputs: StepInputs) -> bool:
+        """Whether tf.function will trace this step again and run only that
+        second trace (decided on the first trace, for all its replicas).
+
+        A tf.function whose first trace creates variables does that. Keras
+        builds the optimizer in the first trace unless it was built before
+        (a second ``fit``, a loaded model, a distribution strategy): then
+        this trace builds only the entries and creates the device record's
+        variables where tf.function sees them, which makes the retrace
+        certain. Otherwise the record's variables are hidden from it, and
+        this first trace, fully built, is the one that runs.
+        """
         if tf.executing_eagerly():
             return False
-        created_in = self.device.created_in_graph
-        return created_in is None or created_in is tf.compat.v1.get_default_graph()
+        graph = tf.compat.v1.get_default_graph()
+        if self.device.created_in_graph is None:
+            # A weak reference: the discarded trace's graph is not ours to keep.
+            discarded = _trace_creates_variables(inputs)
+            self._discarded_trace = weakref.ref(graph) if discarded else None
+        return self._discarded_trace is not None and self._discarded_trace() is graph
 
     def guarded(self, method, *args):
         """``method(*args)``, or None after remembering its error.
@@ -185,6 +198,18 @@ class StepRecorder:
                 if cell_path not in unwatched
             ]
         return notes
+
+
+def _trace_creates_variables(inputs: StepInputs) -> bool:
+    """Whether the rest of the step being traced builds the optimizer (the
+    update) or the compiled metrics (``compute_metrics``), which create
+    variables. A wrong guess costs time, never a record: a trace guessed
+    to run that tf.function traces again is built in full a second time."""
+    optimizer = inputs.optimizer
+    if inputs.weights and optimizer is not None and not getattr(optimizer, "built", True):
+        return True
+    metrics = getattr(inputs.model, "_compile_metrics", None)
+    return metrics is not None and not getattr(metrics, "built", True)
 
 
 def _vector_size_after_update(builder: step_stats.StatsBuilder, weights: list) -> int:

@@ -39,6 +39,7 @@ def _fit(log_dir, strategy=None):
     import scenarios
 
     import tb_nanwatch
+    from tb_nanwatch import train_step
 
     if strategy is None:
         model, kwargs, truth = scenarios.ratio_multi_io()
@@ -46,7 +47,18 @@ def _fit(log_dir, strategy=None):
         with strategy.scope():
             model, kwargs, truth = scenarios.ratio_multi_io()
     watch = tb_nanwatch.NanWatch(log_dir, snapshot_every=1)
-    model.fit(**kwargs, callbacks=[watch], verbose=0)
+    graphs = []  # one a replica a trace
+    traced = train_step.recorded_train_step
+
+    def recorded(recorder, data):
+        graphs.append(tf.compat.v1.get_default_graph())
+        return traced(recorder, data)
+
+    train_step.recorded_train_step = recorded
+    try:
+        model.fit(**kwargs, callbacks=[watch], verbose=0)
+    finally:
+        train_step.recorded_train_step = traced
     journal = watch.journal
     steps, window = journal.flight_window()
     first = window[0]  # the flight window starts at step 0 here (12 steps < 32)
@@ -56,6 +68,7 @@ def _fit(log_dir, strategy=None):
         "incident": watch.incident,
         "truth": truth,
         "steps": journal.steps,
+        "traces": len({id(g) for g in graphs}),
         "replicas": journal.summary()["replicas"],
         "input_num_step0": _entry_values(journal, first, "input", "input", "num"),
         "hidden_step0": _entry_values(journal, first, "forward", "activation", "hidden"),

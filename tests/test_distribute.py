@@ -54,6 +54,15 @@ def test_single_and_two_replicas_agree_on_the_diagnosis(mirrored):
     assert single["steps"] == multi["steps"] == ORIGIN["step"] + 1
 
 
+def test_a_strategy_step_is_traced_once(mirrored):
+    # Under a strategy Keras builds the optimizer before the first trace, so
+    # tf.function runs that trace: the record's variables must not make it
+    # trace again. Without one it builds the optimizer in the first trace
+    # and traces again anyway.
+    assert mirrored["mirrored"]["traces"] == 1
+    assert mirrored["single"]["traces"] == 2
+
+
 def test_statistics_are_reduced_across_replicas(mirrored):
     single, multi = mirrored["single"], mirrored["mirrored"]
     # min of mins, max of maxes: the two 4-row shards give the 8-row batch's extremes.

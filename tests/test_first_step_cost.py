@@ -3,6 +3,7 @@ counts in a few ops, weight copies and batch stash empty until needed."""
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 import scenarios
@@ -10,6 +11,7 @@ import tensorflow as tf
 from nanwatch_testlib import is_chunk_call
 from scenarios import fit, origin
 
+import tb_nanwatch
 from tb_nanwatch import lazy_counts, step_stats
 
 # Ops tf2xla lowers through an MLIR pipeline of their own, one op at a time.
@@ -36,14 +38,101 @@ def _count_builders(monkeypatch) -> dict:
 def test_the_discarded_first_trace_builds_no_statistics(jit_compile, monkeypatch, tmp_path):
     # Keras' first trace creates the optimizer's and the record's variables,
     # so tf.function traces the step again and runs only that second trace.
-    built = _count_builders(monkeypatch)
+    built, graphs = _count_builders(monkeypatch), _count_traces(monkeypatch)
     model, watch, truth, _ = fit(
         scenarios.backward_sqrt_zero, tmp_path, compile_kwargs={"jit_compile": jit_compile}
     )
-    assert built == {"values": 1, "schema_only": 1}
+    assert len(graphs) == 2 and built == {"values": 1, "schema_only": 1}
     assert origin(watch.incident) == truth
     assert watch.journal.run_info["jit_compile"] is jit_compile
     assert model.jit_compile is jit_compile  # XLA really stayed on
+
+
+def _count_traces(monkeypatch) -> list:
+    """The graphs the recorded train step is traced in, one a trace."""
+    from tb_nanwatch import train_step
+
+    graphs = []
+    traced = train_step.recorded_train_step
+
+    def recorded(recorder, data):
+        graphs.append(tf.compat.v1.get_default_graph())
+        return traced(recorder, data)
+
+    monkeypatch.setattr(train_step, "recorded_train_step", recorded)
+    return graphs
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("built_by", ["optimizer.build", "an earlier fit"])
+def test_a_step_whose_optimizer_is_built_is_traced_once(
+    built_by, jit_compile, monkeypatch, tmp_path
+):
+    # Nothing of Keras' is created in the first trace (a second fit, a loaded
+    # model): tf.function runs that trace, so it is built in full and the
+    # record's variables are kept from tf.function, which would trace again.
+    keras.utils.set_random_seed(0)
+    model, kwargs, truth = scenarios.backward_sqrt_zero()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit_compile)
+    if built_by == "optimizer.build":
+        model.optimizer.build(model.trainable_variables)
+    else:  # the steps before the all-zero row: healthy
+        healthy = {**kwargs, "x": kwargs["x"][: 2 * scenarios.BATCH]}
+        model.fit(**{**healthy, "y": kwargs["y"][: 2 * scenarios.BATCH]}, verbose=0)
+    built, graphs = _count_builders(monkeypatch), _count_traces(monkeypatch)
+    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
+    assert len(graphs) == 1 and built == {"values": 1, "schema_only": 0}
+    assert origin(watch.incident) == truth
+    assert watch.journal.steps == truth["step"] + 1  # every step recorded, the first too
+    assert watch.journal.run_info["jit_compile"] is jit_compile
+    assert model.jit_compile is jit_compile  # XLA really stayed on
+
+
+@pytest.mark.parametrize("optimizer_built", [False, True])
+def test_a_custom_loop_step_is_traced_once_when_its_optimizer_is_built(optimizer_built, tmp_path):
+    keras.utils.set_random_seed(0)
+    model, kwargs, truth = scenarios.backward_sqrt_zero()
+    optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+    if optimizer_built:
+        optimizer.build(model.trainable_variables)
+    watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
+    traces = []
+
+    @tf.function
+    def step(x, y):
+        traces.append(tf.compat.v1.get_default_graph())
+        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
+            loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
+        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        rec.after_update()
+
+    x, y = kwargs["x"], kwargs["y"]
+    for start in range(0, len(x), scenarios.BATCH):
+        step(x[start : start + scenarios.BATCH], y[start : start + scenarios.BATCH])
+        if watcher.end_step():
+            break
+    watcher.close()
+    assert len(traces) == (1 if optimizer_built else 2)
+    assert origin(watcher.incident) == truth
+    assert watcher.journal.steps == truth["step"] + 1
+
+
+def test_a_first_trace_that_builds_the_metrics_builds_no_statistics(monkeypatch, tmp_path):
+    # The optimizer is built, the compiled metrics are not: compute_metrics
+    # creates their variables, so tf.function will trace the step again.
+    keras.utils.set_random_seed(0)
+    model, kwargs, truth = scenarios.backward_sqrt_zero()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", metrics=["mae"])
+    model.optimizer.build(model.trainable_variables)
+    built, graphs = _count_builders(monkeypatch), _count_traces(monkeypatch)
+    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    history = model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
+    assert len(graphs) == 2 and built == {"values": 1, "schema_only": 1}
+    assert origin(watch.incident) == truth
+    assert watch.journal.steps == truth["step"] + 1
+    assert "mae" in history.history
 
 
 def test_an_eager_step_records_from_its_first_step(monkeypatch, tmp_path):
@@ -141,8 +230,6 @@ def test_exact_counts_of_held_sources_match_numpy(monkeypatch):
 def _one_watched_step(tmp_path, model, optimizer, jit_compile: bool = False):
     """One step of a custom loop watched by a StepWatcher: the graph it traced
     and whether XLA compiled it."""
-    import tb_nanwatch
-
     watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
     traced = []
 
@@ -166,7 +253,6 @@ def test_no_addn_of_more_than_two_inputs_in_the_step_graph(tmp_path):
     # Grappler's memory optimizer simulates the whole step's memory for each
     # AddN of more than two inputs, and rewrites some into a temporary
     # variable with one AssignAdd per input (seconds on a ResNet50).
-    import keras
 
     from tb_nanwatch import phase_stats
 
@@ -185,7 +271,6 @@ def test_no_addn_of_more_than_two_inputs_in_the_step_graph(tmp_path):
 
 
 def test_the_xla_step_has_no_op_lowered_through_mlir_one_at_a_time(tmp_path):
-    import keras
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
@@ -350,9 +435,7 @@ def test_a_softmax_output_the_loss_never_reads_is_not_computed(tmp_path, monkeyp
     # Keras's losses read a softmax output's logits, so the plain step never
     # computes the softmax (a 2000-way one over a transformer's batch). The
     # watched step must not either: the output layer's entry reads the logits.
-    import keras
 
-    import tb_nanwatch
     from tb_nanwatch import train_step
 
     graphs = []
