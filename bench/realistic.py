@@ -24,7 +24,10 @@ exact NaN/Inf count of each of those tensors, built as NanWatch builds them;
 run interleaved (plain, floor, nanwatch, ... then again in reverse order), and
 each ratio is the median over repeats of (variant / plain of the same repeat),
 with its quartiles. ``--jit`` adds the same table under ``jit_compile=True``
-(each row proves from the model that XLA stayed on).
+(each row proves from the model that XLA stayed on). ``--optimizer-built``
+builds the optimizer before ``fit``, as it is after an earlier ``fit``, for a
+loaded model or under a distribution strategy: Keras then traces the step
+once, where otherwise it builds the optimizer in a first trace it throws away.
 
     python bench/realistic.py                          # the realistic models, CPU or GPU
     python bench/realistic.py --models transformer --repeats 5 --json out.json
@@ -81,6 +84,8 @@ def run_child(model: str, variant: str, args, jit: bool) -> dict:
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     if jit:
         command.append("--jit")
+    if args.optimizer_built:
+        command.append("--optimizer-built")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
     if variant == "nanwatch_before":
         env["PYTHONPATH"] = args.before
@@ -133,7 +138,13 @@ def summarize(runs: list[dict]) -> list[dict]:
             ]
             if ratios:
                 row[column + "_ratio"] = [float(np.percentile(ratios, q)) for q in (50, 25, 75)]
-        for column in ("event_bytes_per_step", "xla", "watched_tensors", "device"):
+        for column in (
+            "event_bytes_per_step",
+            "xla",
+            "watched_tensors",
+            "device",
+            "optimizer_built",
+        ):
             values = [r.get(column) for r in mine if r.get(column) is not None]
             row[column] = values[0] if values else None
         rows.append(row)
@@ -143,6 +154,8 @@ def summarize(runs: list[dict]) -> list[dict]:
 def table(model: str, rows: list[dict], jit: bool) -> str:
     """A Markdown table of one model's rows."""
     title = f"{model}{' (jit_compile=True)' if jit else ''}"
+    if rows and rows[0].get("optimizer_built"):
+        title += ", optimizer built before fit"
     lines = [
         f"**{title}**",
         "",
@@ -185,6 +198,12 @@ def main() -> None:
     parser.add_argument("--jit", action="store_true", help="also the table under jit_compile=True")
     parser.add_argument("--jit-only", action="store_true")
     parser.add_argument("--before", help="another checkout: adds the nanwatch_before variant")
+    parser.add_argument(
+        "--optimizer-built",
+        action="store_true",
+        help="build the optimizer before fit (as after an earlier fit, or for a loaded model): "
+        "Keras then traces the step once instead of twice",
+    )
     parser.add_argument("--gpu", action="store_true", help="refuse to run without a GPU")
     parser.add_argument("--json", help="write every run and row to this file")
     args = parser.parse_args()

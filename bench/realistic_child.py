@@ -156,6 +156,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--jit", action="store_true")
+    parser.add_argument("--optimizer-built", action="store_true")
     args = parser.parse_args()
 
     import keras
@@ -167,6 +168,8 @@ def main() -> None:
     model, x, y = worker.build(spec, jit_compile=args.jit)
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(spec["batch"], drop_remainder=True)
     data = data.repeat().prefetch(2)
+    if args.optimizer_built:  # as after an earlier fit, or for a loaded model
+        model.optimizer.build(model.trainable_variables)
     probe = Probe(keras, tf, args.warmup)
     callbacks, log_dir, floor = [], None, None
     if args.variant.startswith("nanwatch"):
@@ -191,6 +194,7 @@ def main() -> None:
         "variant": args.variant,
         "jit": args.jit,
         "xla": bool(getattr(model, "jit_compile", False)),
+        "optimizer_built": args.optimizer_built,
         "ttfs_s": probe.ends[0] - started,
         "step_ms": float(np.median(gaps) * 1e3),
         "peak_rss_mb": vm_kib("VmHWM") / 1024,

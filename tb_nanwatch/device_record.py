@@ -79,7 +79,7 @@ class DeviceRecord:
 
         ``retrace``: whether the tf.function being traced is to see the
         variables created, so that it traces the step again and never runs
-        this trace (see ``StepRecorder.before_update``); otherwise they are
+        this trace (see ``StepRecorder._trace_never_runs``); otherwise they are
         kept from it and this trace is the one that runs.
         """
         batch = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]

@@ -129,12 +129,13 @@ class StepRecorder:
         second trace (decided on the first trace, for all its replicas).
 
         A tf.function whose first trace creates variables does that. Keras
-        builds the optimizer in the first trace unless it was built before
-        (a second ``fit``, a loaded model, a distribution strategy): then
-        this trace builds only the entries and creates the device record's
-        variables where tf.function sees them, which makes the retrace
-        certain. Otherwise the record's variables are hidden from it, and
-        this first trace, fully built, is the one that runs.
+        builds the optimizer (and the compiled metrics) in the first trace
+        unless they were built before ``fit`` (a second ``fit``, a loaded
+        model, a distribution strategy). When it does, this trace builds
+        only the entries and creates the device record's variables where
+        tf.function sees them, which makes the retrace certain; when it does
+        not, the record's variables are hidden from tf.function and this
+        first trace, built in full, is the one that runs.
         """
         if tf.executing_eagerly():
             return False
