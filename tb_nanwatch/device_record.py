@@ -18,7 +18,6 @@ holds the exact state that produced it (:meth:`pre_step_state`).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Any
 
@@ -28,6 +27,7 @@ from tensorflow.python.ops import gen_resource_variable_ops
 
 from tb_nanwatch import lazy_counts, step_stats
 from tb_nanwatch.schema import Schema
+from tb_nanwatch.unseen_variables import hidden_from_tf_function
 
 # Sequence numbers are stored in float32: keep them exactly representable.
 SEQ_MODULO = 1 << 23
@@ -99,7 +99,7 @@ class DeviceRecord:
             # XLA cannot assign a new shape to a variable; elsewhere the
             # copies start empty and take their shape when first written.
             growable = not lazy_counts.in_xla()
-            with tf.init_scope(), _hidden_from_tf_function(not retrace):
+            with tf.init_scope(), hidden_from_tf_function(not retrace):
                 self._create(width, batch, weights, growable)
                 self._replicas = replicas
         return batch
@@ -264,22 +264,6 @@ def _nonfinite_and_incident(schema: Schema, vector: tf.Tensor) -> tuple[tf.Tenso
     nonfinite = tf.reduce_sum(tf.gather(vector, tf.constant(sorted(counts), tf.int32))) > 0
     skipped = vector[schema.header_index("skipped")] > 0
     return nonfinite, tf.logical_and(nonfinite, tf.logical_not(skipped))
-
-
-@contextlib.contextmanager
-def _hidden_from_tf_function(hidden: bool):
-    """Variables created inside are kept from the tf.function being traced
-    (when ``hidden``): it retraces a step whose first trace created
-    variables, and runs only the second trace."""
-    if not hidden:
-        yield
-        return
-
-    def unlifted(next_creator, **kwargs):
-        return next_creator(**{**kwargs, "experimental_enable_variable_lifting": False})
-
-    with tf.variable_creator_scope(unlifted):
-        yield
 
 
 def _local_variable(initial, name: str, shape=None) -> tf.Variable:

@@ -50,6 +50,9 @@ class StepInputs:
     optimizer: Any
     data: Any
     model: keras.Model
+    # Whether the step created variables tf.function sees before the
+    # statistics (see StepRecorder._trace_never_runs); Keras' step only.
+    created_variables: bool = False
 
     @property
     def weight_grads(self) -> list:

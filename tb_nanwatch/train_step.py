@@ -21,6 +21,7 @@ from tb_nanwatch import step_stats
 from tb_nanwatch.device_record import DeviceRecord
 from tb_nanwatch.phase_stats import StepInputs
 from tb_nanwatch.recorder import StepRecorder
+from tb_nanwatch.unseen_variables import hidden_from_tf_function, seen_creations
 
 # The key under which the instrumented train step also returns the step's row.
 ROW_KEY = "_nanwatch_row"
@@ -53,29 +54,36 @@ def recorded_train_step(recorder: StepRecorder, data):
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     model = recorder.model
+    if not tf.executing_eagerly():
+        build_optimizer_out_of_the_trace(model)
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    with tf.GradientTape() as tape:
-        with recorder.taps.recording(tape) as trace:
-            if model._call_has_training_arg:
-                y_pred = model(x, training=True)
-            else:
-                y_pred = model(x)
-            recorder.taps.install_loss_taps(y, y_pred)
-            loss = model._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    # Variables created up to the statistics (the compiled loss, layers built
+    # now): tf.function will trace this step again (StepRecorder._trace_never_runs).
+    with seen_creations() as created:
+        with tf.GradientTape() as tape:
+            with recorder.taps.recording(tape) as trace:
+                if model._call_has_training_arg:
+                    y_pred = model(x, training=True)
+                else:
+                    y_pred = model(x)
+                recorder.taps.install_loss_taps(y, y_pred)
+                loss = model._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                )
+            model._loss_tracker.update_state(
+                loss_module.unscale_loss_for_distribution(loss),
+                sample_weight=tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0],
             )
-        model._loss_tracker.update_state(
-            loss_module.unscale_loss_for_distribution(loss),
-            sample_weight=tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0],
-        )
-        scaled_loss = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
-    weights = model.trainable_weights
-    if weights:
-        all_grads = tape.gradient(scaled_loss, list(weights) + recorder.watched_tensors(trace))
-        grads = all_grads[: len(weights)]
-    else:
-        all_grads, grads = [], []
-    inputs = StepInputs(trace, x, y, y_pred, loss, weights, all_grads, model.optimizer, data, model)
+            scaled_loss = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
+        weights = model.trainable_weights
+        if weights:
+            all_grads = tape.gradient(scaled_loss, list(weights) + recorder.watched_tensors(trace))
+            grads = all_grads[: len(weights)]
+        else:
+            all_grads, grads = [], []
+    inputs = StepInputs(
+        trace, x, y, y_pred, loss, weights, all_grads, model.optimizer, data, model, bool(created)
+    )
     pending = recorder.guarded(recorder.before_update, inputs)
     if weights:
         model.optimizer.apply_gradients(zip(grads, weights, strict=False))
@@ -84,6 +92,40 @@ def recorded_train_step(recorder: StepRecorder, data):
     if row is not None and recorder.steps_per_execution == 1 and step_stats.replicas_in_sync() == 1:
         logs = {**logs, ROW_KEY: row}
     return logs
+
+
+def build_optimizer_out_of_the_trace(model: keras.Model) -> None:
+    """Builds ``model``'s optimizer as its first update would, but eagerly
+    and hidden from the tf.function tracing the step.
+
+    Without a distribution strategy Keras builds the optimizer inside the
+    first trace of the train step; its variables make tf.function throw that
+    trace away and trace the step again. Built here, the first trace is the
+    one that runs: one whole trace of the step less before the first step.
+    Nothing else changes: the same variables, initial values and names.
+    Skipped where the trace creates variables anyway (layers or compiled
+    metrics not built yet: their initial values are drawn where Keras draws
+    them).
+    """
+    from keras.src import backend
+
+    optimizer = model.optimizer
+    weights = list(model.trainable_weights)
+    if optimizer is None or optimizer.built or not weights:
+        return
+    if not all(layer.built for layer in model._flatten_layers()):
+        return
+    metrics = getattr(model, "_compile_metrics", None)
+    if metrics is not None and not metrics.built:
+        return
+    try:
+        with tf.init_scope(), hidden_from_tf_function():
+            # As BaseOptimizer.apply builds it.
+            with backend.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(weights)
+            optimizer.built = True
+    except Exception:  # noqa: BLE001 - the update builds it in the trace, as without us
+        return
 
 
 def _handing_over(train_function, device: DeviceRecord):

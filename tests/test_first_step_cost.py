@@ -34,20 +34,6 @@ def _count_builders(monkeypatch) -> dict:
     return built
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_the_discarded_first_trace_builds_no_statistics(jit_compile, monkeypatch, tmp_path):
-    # Keras' first trace creates the optimizer's and the record's variables,
-    # so tf.function traces the step again and runs only that second trace.
-    built, graphs = _count_builders(monkeypatch), _count_traces(monkeypatch)
-    model, watch, truth, _ = fit(
-        scenarios.backward_sqrt_zero, tmp_path, compile_kwargs={"jit_compile": jit_compile}
-    )
-    assert len(graphs) == 2 and built == {"values": 1, "schema_only": 1}
-    assert origin(watch.incident) == truth
-    assert watch.journal.run_info["jit_compile"] is jit_compile
-    assert model.jit_compile is jit_compile  # XLA really stayed on
-
-
 def _count_traces(monkeypatch) -> list:
     """The graphs the recorded train step is traced in, one a trace."""
     from tb_nanwatch import train_step
@@ -64,27 +50,97 @@ def _count_traces(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-@pytest.mark.parametrize("built_by", ["optimizer.build", "an earlier fit"])
-def test_a_step_whose_optimizer_is_built_is_traced_once(
-    built_by, jit_compile, monkeypatch, tmp_path
-):
-    # Nothing of Keras' is created in the first trace (a second fit, a loaded
-    # model): tf.function runs that trace, so it is built in full and the
-    # record's variables are kept from tf.function, which would trace again.
+@pytest.mark.parametrize("built_by", ["its first update", "optimizer.build", "an earlier fit"])
+def test_the_first_trace_is_the_one_that_runs(built_by, jit_compile, monkeypatch, tmp_path):
+    # Nothing of Keras' is created in the first trace: the optimizer was
+    # built before fit (a second fit, a loaded model) or, where Keras would
+    # build it in the first trace, NanWatch built it out of the trace's sight.
+    # tf.function runs that trace, so it is built in full, once.
     keras.utils.set_random_seed(0)
     model, kwargs, truth = scenarios.backward_sqrt_zero()
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit_compile)
     if built_by == "optimizer.build":
         model.optimizer.build(model.trainable_variables)
-    else:  # the steps before the all-zero row: healthy
-        healthy = {**kwargs, "x": kwargs["x"][: 2 * scenarios.BATCH]}
-        model.fit(**{**healthy, "y": kwargs["y"][: 2 * scenarios.BATCH]}, verbose=0)
+    elif built_by == "an earlier fit":  # the steps before the all-zero row: healthy
+        rows = slice(0, 2 * scenarios.BATCH)
+        model.fit(**{**kwargs, "x": kwargs["x"][rows], "y": kwargs["y"][rows]}, verbose=0)
     built, graphs = _count_builders(monkeypatch), _count_traces(monkeypatch)
     watch = tb_nanwatch.NanWatch(str(tmp_path))
     model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
     assert len(graphs) == 1 and built == {"values": 1, "schema_only": 0}
     assert origin(watch.incident) == truth
     assert watch.journal.steps == truth["step"] + 1  # every step recorded, the first too
+    assert len(model.optimizer.variables) == 2 + 2 * len(model.trainable_variables)  # Adam's
+    assert watch.journal.run_info["jit_compile"] is jit_compile
+    assert model.jit_compile is jit_compile  # XLA really stayed on
+
+
+def _sqrt_zero_layers_unbuilt(jit_compile: bool):
+    """``backward_sqrt_zero``'s layers in a Sequential with no Input: Keras
+    builds them in the first trace."""
+    _, kwargs, truth = scenarios.backward_sqrt_zero()
+    model = keras.Sequential(
+        [
+            keras.layers.Dense(4, use_bias=False, name="encode"),
+            scenarios.Norm(name="norm"),
+            keras.layers.Dense(1, name="head"),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=jit_compile)
+    return model, kwargs, truth
+
+
+class _StateAtFirstCall(keras.layers.Layer):
+    """A built layer that creates a variable at its first call (in the trace)."""
+
+    state = None
+
+    def call(self, x):
+        if self.state is None:
+            self.state = tf.Variable(0.0, trainable=False)
+        self.state.assign_add(1.0)
+        return x
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def _sqrt_zero_state_at_first_call(jit_compile: bool):
+    """``backward_sqrt_zero`` with a layer that creates a variable in the first trace."""
+    model, kwargs, truth = scenarios.backward_sqrt_zero()
+    inputs = keras.Input((3,), name="x")
+    model = keras.Model(inputs, model(_StateAtFirstCall(name="state")(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=jit_compile)
+    return model, kwargs, {**truth, "layer": "backward_case/" + truth["layer"]}
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("unbuilt", ["layers", "compiled metrics", "a layer's state"])
+def test_a_first_trace_that_creates_variables_builds_no_statistics(
+    unbuilt, jit_compile, monkeypatch, tmp_path
+):
+    # Layers or compiled metrics built in the first trace create variables
+    # there, so tf.function traces the step again and runs only the second
+    # trace: the first builds only the entries.
+    keras.utils.set_random_seed(0)
+    if unbuilt == "layers":
+        model, kwargs, truth = _sqrt_zero_layers_unbuilt(jit_compile)
+    elif unbuilt == "a layer's state":
+        model, kwargs, truth = _sqrt_zero_state_at_first_call(jit_compile)
+    else:
+        model, kwargs, truth = scenarios.backward_sqrt_zero()
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss="mse",
+            metrics=["mae"],
+            jit_compile=jit_compile,
+        )
+    built, graphs = _count_builders(monkeypatch), _count_traces(monkeypatch)
+    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
+    assert len(graphs) == 2 and built == {"values": 1, "schema_only": 1}
+    assert origin(watch.incident) == truth
+    assert watch.journal.steps == truth["step"] + 1
     assert watch.journal.run_info["jit_compile"] is jit_compile
     assert model.jit_compile is jit_compile  # XLA really stayed on
 
@@ -117,22 +173,6 @@ def test_a_custom_loop_step_is_traced_once_when_its_optimizer_is_built(optimizer
     assert len(traces) == (1 if optimizer_built else 2)
     assert origin(watcher.incident) == truth
     assert watcher.journal.steps == truth["step"] + 1
-
-
-def test_a_first_trace_that_builds_the_metrics_builds_no_statistics(monkeypatch, tmp_path):
-    # The optimizer is built, the compiled metrics are not: compute_metrics
-    # creates their variables, so tf.function will trace the step again.
-    keras.utils.set_random_seed(0)
-    model, kwargs, truth = scenarios.backward_sqrt_zero()
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", metrics=["mae"])
-    model.optimizer.build(model.trainable_variables)
-    built, graphs = _count_builders(monkeypatch), _count_traces(monkeypatch)
-    watch = tb_nanwatch.NanWatch(str(tmp_path))
-    history = model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
-    assert len(graphs) == 2 and built == {"values": 1, "schema_only": 1}
-    assert origin(watch.incident) == truth
-    assert watch.journal.steps == truth["step"] + 1
-    assert "mae" in history.history
 
 
 def test_an_eager_step_records_from_its_first_step(monkeypatch, tmp_path):
