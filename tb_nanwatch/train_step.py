@@ -54,8 +54,6 @@ def recorded_train_step(recorder: StepRecorder, data):
     from keras.src.trainers.data_adapters import data_adapter_utils
 
     model = recorder.model
-    if not tf.executing_eagerly():
-        build_optimizer_out_of_the_trace(model)
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
     # Variables created up to the statistics (the compiled loss, layers built
     # now): tf.function will trace this step again (StepRecorder._trace_never_runs).
@@ -67,6 +65,8 @@ def recorded_train_step(recorder: StepRecorder, data):
                 else:
                     y_pred = model(x)
                 recorder.taps.install_loss_taps(y, y_pred)
+                if not created and not tf.executing_eagerly():
+                    build_out_of_the_trace(model, y, y_pred)
                 loss = model._compute_loss(
                     x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
                 )
@@ -94,34 +94,35 @@ def recorded_train_step(recorder: StepRecorder, data):
     return logs
 
 
-def build_optimizer_out_of_the_trace(model: keras.Model) -> None:
-    """Builds ``model``'s optimizer as its first update would, but eagerly
-    and hidden from the tf.function tracing the step.
+def build_out_of_the_trace(model: keras.Model, y, y_pred) -> None:
+    """Builds ``model``'s compiled metrics and optimizer as its first
+    ``compute_metrics`` and update would, but eagerly and hidden from the
+    tf.function tracing the step.
 
-    Without a distribution strategy Keras builds the optimizer inside the
-    first trace of the train step; its variables make tf.function throw that
-    trace away and trace the step again. Built here, the first trace is the
-    one that runs: one whole trace of the step less before the first step.
-    Nothing else changes: the same variables, initial values and names.
-    Skipped where the trace creates variables anyway (layers or compiled
-    metrics not built yet: their initial values are drawn where Keras draws
-    them).
+    Without a distribution strategy Keras builds them inside the first trace
+    of the train step; their variables make tf.function throw that trace away
+    and trace the step again. Built here, the first trace is the one that
+    runs: one whole trace of the step less before the first step. Nothing
+    else changes: the same variables, initial values and names. Called only
+    while no variable was created in this trace (unbuilt layers draw their
+    initial values in it, as without NanWatch, and the trace is retraced).
     """
     from keras.src import backend
 
+    metrics = getattr(model, "_compile_metrics", None)
+    if metrics is not None and not metrics.built and y is not None:
+        try:
+            with tf.init_scope(), hidden_from_tf_function():
+                metrics.build(y, y_pred)  # as CompileMetrics.update_state does
+        except Exception:  # noqa: BLE001 - compute_metrics builds them in the trace
+            return
     optimizer = model.optimizer
     weights = list(model.trainable_weights)
     if optimizer is None or optimizer.built or not weights:
         return
-    if not all(layer.built for layer in model._flatten_layers()):
-        return
-    metrics = getattr(model, "_compile_metrics", None)
-    if metrics is not None and not metrics.built:
-        return
     try:
         with tf.init_scope(), hidden_from_tf_function():
-            # As BaseOptimizer.apply builds it.
-            with backend.name_scope(optimizer.name, caller=optimizer):
+            with backend.name_scope(optimizer.name, caller=optimizer):  # as BaseOptimizer.apply
                 optimizer.build(weights)
             optimizer.built = True
     except Exception:  # noqa: BLE001 - the update builds it in the trace, as without us

@@ -50,15 +50,22 @@ def _count_traces(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-@pytest.mark.parametrize("built_by", ["its first update", "optimizer.build", "an earlier fit"])
+@pytest.mark.parametrize(
+    "built_by",
+    ["its first update", "its first update, with metrics", "optimizer.build", "an earlier fit"],
+)
 def test_the_first_trace_is_the_one_that_runs(built_by, jit_compile, monkeypatch, tmp_path):
     # Nothing of Keras' is created in the first trace: the optimizer was
     # built before fit (a second fit, a loaded model) or, where Keras would
-    # build it in the first trace, NanWatch built it out of the trace's sight.
-    # tf.function runs that trace, so it is built in full, once.
+    # build it (and the compiled metrics) in the first trace, NanWatch built
+    # it out of the trace's sight. tf.function runs that trace, so it is
+    # built in full, once.
     keras.utils.set_random_seed(0)
     model, kwargs, truth = scenarios.backward_sqrt_zero()
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit_compile)
+    metrics = ["mae"] if "metrics" in built_by else None
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3), loss="mse", metrics=metrics, jit_compile=jit_compile
+    )
     if built_by == "optimizer.build":
         model.optimizer.build(model.trainable_variables)
     elif built_by == "an earlier fit":  # the steps before the all-zero row: healthy
@@ -66,10 +73,11 @@ def test_the_first_trace_is_the_one_that_runs(built_by, jit_compile, monkeypatch
         model.fit(**{**kwargs, "x": kwargs["x"][rows], "y": kwargs["y"][rows]}, verbose=0)
     built, graphs = _count_builders(monkeypatch), _count_traces(monkeypatch)
     watch = tb_nanwatch.NanWatch(str(tmp_path))
-    model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
+    history = model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
     assert len(graphs) == 1 and built == {"values": 1, "schema_only": 0}
     assert origin(watch.incident) == truth
     assert watch.journal.steps == truth["step"] + 1  # every step recorded, the first too
+    assert ("mae" in history.history) == bool(metrics)
     assert len(model.optimizer.variables) == 2 + 2 * len(model.trainable_variables)  # Adam's
     assert watch.journal.run_info["jit_compile"] is jit_compile
     assert model.jit_compile is jit_compile  # XLA really stayed on
@@ -115,26 +123,18 @@ def _sqrt_zero_state_at_first_call(jit_compile: bool):
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-@pytest.mark.parametrize("unbuilt", ["layers", "compiled metrics", "a layer's state"])
+@pytest.mark.parametrize("unbuilt", ["layers", "a layer's state"])
 def test_a_first_trace_that_creates_variables_builds_no_statistics(
     unbuilt, jit_compile, monkeypatch, tmp_path
 ):
-    # Layers or compiled metrics built in the first trace create variables
-    # there, so tf.function traces the step again and runs only the second
-    # trace: the first builds only the entries.
+    # Layers built in the first trace, or a layer's own state created there,
+    # create variables in it, so tf.function traces the step again and runs
+    # only the second trace: the first builds only the entries.
     keras.utils.set_random_seed(0)
     if unbuilt == "layers":
         model, kwargs, truth = _sqrt_zero_layers_unbuilt(jit_compile)
-    elif unbuilt == "a layer's state":
-        model, kwargs, truth = _sqrt_zero_state_at_first_call(jit_compile)
     else:
-        model, kwargs, truth = scenarios.backward_sqrt_zero()
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
-            loss="mse",
-            metrics=["mae"],
-            jit_compile=jit_compile,
-        )
+        model, kwargs, truth = _sqrt_zero_state_at_first_call(jit_compile)
     built, graphs = _count_builders(monkeypatch), _count_traces(monkeypatch)
     watch = tb_nanwatch.NanWatch(str(tmp_path))
     model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)

@@ -26,7 +26,7 @@ def test_math_is_bitwise_identical_with_and_without_the_watcher(tmp_path):
         callbacks = [record] + ([tb_nanwatch.NanWatch(str(tmp_path))] if with_watch else [])
         model.fit(**kwargs, epochs=2, callbacks=callbacks, verbose=0)
         # NanWatch builds the optimizer out of the first trace (see
-        # train_step.build_optimizer_out_of_the_trace): the same state all the same.
+        # train_step.build_out_of_the_trace): the same state all the same.
         return losses, [w.numpy() for w in model.weights + model.optimizer.variables]
 
     losses_a, weights_a = run(False)
