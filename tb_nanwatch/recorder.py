@@ -204,8 +204,10 @@ class StepRecorder:
 def _trace_creates_variables(inputs: StepInputs) -> bool:
     """Whether the step being traced created variables before the
     statistics, or its rest builds the optimizer (the update) or the
-    compiled metrics (``compute_metrics``), which create variables. A wrong guess costs time, never a record: a trace guessed
-    to run that tf.function traces again is built in full a second time."""
+    compiled metrics (``compute_metrics``), which create variables.
+
+    A wrong guess costs time, never a record: a trace guessed to run that
+    tf.function traces again is built in full a second time."""
     if inputs.created_variables:
         return True
     optimizer = inputs.optimizer

@@ -55,8 +55,8 @@ def recorded_train_step(recorder: StepRecorder, data):
 
     model = recorder.model
     x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    # Variables created up to the statistics (the compiled loss, layers built
-    # now): tf.function will trace this step again (StepRecorder._trace_never_runs).
+    # Variables created up to the statistics (layers built now, a layer's own
+    # state): tf.function will trace this step again (StepRecorder._trace_never_runs).
     with seen_creations() as created:
         with tf.GradientTape() as tape:
             with recorder.taps.recording(tape) as trace:
