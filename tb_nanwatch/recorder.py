@@ -129,9 +129,11 @@ class StepRecorder:
         second trace (decided on the first trace, for all its replicas).
 
         A tf.function whose first trace creates variables does that. Keras
-        builds the optimizer (and the compiled metrics) in the first trace
+        builds the optimizer and the compiled metrics in the first trace
         unless they were built before ``fit`` (a second ``fit``, a loaded
-        model, a distribution strategy). When it does, this trace builds
+        model, a distribution strategy) or NanWatch built them out of the
+        trace's sight (``train_step.build_out_of_the_trace``); layers built
+        in the trace create variables too. When it does, this trace builds
         only the entries and creates the device record's variables where
         tf.function sees them, which makes the retrace certain; when it does
         not, the record's variables are hidden from tf.function and this

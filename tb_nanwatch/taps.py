@@ -17,7 +17,6 @@ import keras
 import tensorflow as tf
 
 from tb_nanwatch import io_names
-from tb_nanwatch.unseen_variables import hidden_from_tf_function
 
 
 @dataclasses.dataclass
@@ -249,11 +248,7 @@ class LayerTaps:
         compile_loss = getattr(self.model, "_compile_loss", None)
         if compile_loss is None:
             return
-        if (
-            not compile_loss.built
-            and y_true is not None
-            and not _built_unseen(compile_loss, y_true, y_pred)
-        ):
+        if not compile_loss.built and y_true is not None:
             try:
                 compile_loss.build(y_true, y_pred)
             except Exception:  # noqa: BLE001 - Keras builds it itself later
@@ -298,15 +293,3 @@ class _Recording:
 
     def __exit__(self, *exc) -> None:
         self.taps._local.trace = None
-
-
-def _built_unseen(compile_loss, y_true, y_pred) -> bool:
-    """Builds the compiled loss out of the trace's sight (its per-output loss
-    trackers' variables would make tf.function trace the step again, see
-    :mod:`~tb_nanwatch.unseen_variables`); whether that worked."""
-    try:
-        with tf.init_scope(), hidden_from_tf_function():
-            compile_loss.build(y_true, y_pred)
-    except Exception:  # noqa: BLE001 - built in the trace instead, as Keras would
-        return False
-    return True

@@ -21,7 +21,7 @@ from tb_nanwatch import step_stats
 from tb_nanwatch.device_record import DeviceRecord
 from tb_nanwatch.phase_stats import StepInputs
 from tb_nanwatch.recorder import StepRecorder
-from tb_nanwatch.unseen_variables import hidden_from_tf_function, seen_creations
+from tb_nanwatch.unseen_variables import built_unseen, seen_creations
 
 # The key under which the instrumented train step also returns the step's row.
 ROW_KEY = "_nanwatch_row"
@@ -64,9 +64,9 @@ def recorded_train_step(recorder: StepRecorder, data):
                     y_pred = model(x, training=True)
                 else:
                     y_pred = model(x)
-                recorder.taps.install_loss_taps(y, y_pred)
                 if not created and not tf.executing_eagerly():
                     build_out_of_the_trace(model, y, y_pred)
+                recorder.taps.install_loss_taps(y, y_pred)
                 loss = model._compute_loss(
                     x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
                 )
@@ -95,9 +95,9 @@ def recorded_train_step(recorder: StepRecorder, data):
 
 
 def build_out_of_the_trace(model: keras.Model, y, y_pred) -> None:
-    """Builds ``model``'s compiled metrics and optimizer as its first
-    ``compute_metrics`` and update would, but eagerly and hidden from the
-    tf.function tracing the step.
+    """Builds ``model``'s compiled loss and metrics and its optimizer as its
+    first loss, ``compute_metrics`` and update would, but eagerly and hidden
+    from the tf.function tracing the step.
 
     Without a distribution strategy Keras builds them inside the first trace
     of the train step; their variables make tf.function throw that trace away
@@ -106,27 +106,30 @@ def build_out_of_the_trace(model: keras.Model, y, y_pred) -> None:
     else changes: the same variables, initial values and names. Called only
     while no variable was created in this trace (unbuilt layers draw their
     initial values in it, as without NanWatch, and the trace is retraced).
+    Whatever fails to build here is built in the trace, as without NanWatch.
     """
     from keras.src import backend
 
-    metrics = getattr(model, "_compile_metrics", None)
-    if metrics is not None and not metrics.built and y is not None:
-        try:
-            with tf.init_scope(), hidden_from_tf_function():
-                metrics.build(y, y_pred)  # as CompileMetrics.update_state does
-        except Exception:  # noqa: BLE001 - compute_metrics builds them in the trace
-            return
+    if y is not None:
+        for compiled in (
+            getattr(model, "_compile_loss", None),
+            getattr(model, "_compile_metrics", None),
+        ):
+            # As CompileLoss.__call__ and CompileMetrics.update_state build them.
+            if compiled is not None and not compiled.built:
+                if not built_unseen(lambda c=compiled: c.build(y, y_pred)):
+                    return
     optimizer = model.optimizer
     weights = list(model.trainable_weights)
     if optimizer is None or optimizer.built or not weights:
         return
-    try:
-        with tf.init_scope(), hidden_from_tf_function():
-            with backend.name_scope(optimizer.name, caller=optimizer):  # as BaseOptimizer.apply
-                optimizer.build(weights)
-            optimizer.built = True
-    except Exception:  # noqa: BLE001 - the update builds it in the trace, as without us
-        return
+
+    def build_optimizer() -> None:
+        with backend.name_scope(optimizer.name, caller=optimizer):  # as BaseOptimizer.apply
+            optimizer.build(weights)
+        optimizer.built = True
+
+    built_unseen(build_optimizer)
 
 
 def _handing_over(train_function, device: DeviceRecord):

@@ -9,6 +9,7 @@ not counted, so a first trace that creates only those is the one that runs.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import tensorflow as tf
 
@@ -42,3 +43,15 @@ def seen_creations():
 
     with tf.variable_creator_scope(counting):
         yield created
+
+
+def built_unseen(build: Callable[[], object]) -> bool:
+    """Runs ``build`` eagerly, the variables it creates hidden from the
+    tf.function being traced; whether it worked (if not, the caller leaves
+    the building to the trace, as without NanWatch)."""
+    try:
+        with tf.init_scope(), hidden_from_tf_function():
+            build()
+    except Exception:  # noqa: BLE001 - built in the trace instead
+        return False
+    return True

@@ -37,9 +37,9 @@ def _entry_values(journal, step_vector, phase, kind, layer):
 
 def _fit(log_dir, strategy=None):
     import scenarios
+    from nanwatch_testlib import traced_graphs
 
     import tb_nanwatch
-    from tb_nanwatch import train_step
 
     if strategy is None:
         model, kwargs, truth = scenarios.ratio_multi_io()
@@ -47,18 +47,8 @@ def _fit(log_dir, strategy=None):
         with strategy.scope():
             model, kwargs, truth = scenarios.ratio_multi_io()
     watch = tb_nanwatch.NanWatch(log_dir, snapshot_every=1)
-    graphs = []  # one a replica a trace
-    traced = train_step.recorded_train_step
-
-    def recorded(recorder, data):
-        graphs.append(tf.compat.v1.get_default_graph())
-        return traced(recorder, data)
-
-    train_step.recorded_train_step = recorded
-    try:
+    with traced_graphs() as graphs:
         model.fit(**kwargs, callbacks=[watch], verbose=0)
-    finally:
-        train_step.recorded_train_step = traced
     journal = watch.journal
     steps, window = journal.flight_window()
     first = window[0]  # the flight window starts at step 0 here (12 steps < 32)

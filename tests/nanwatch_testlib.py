@@ -366,3 +366,25 @@ def is_chunk_call(op) -> bool:
     return op.type in ("PartitionedCall", "StatefulPartitionedCall") and (
         "chunk" in op.get_attr("f").name
     )
+
+
+@contextlib.contextmanager
+def traced_graphs():
+    """The graphs NanWatch's Keras train step is traced in while inside, one
+    entry a replica a trace."""
+    import tensorflow as tf
+
+    from tb_nanwatch import train_step
+
+    graphs = []
+    traced = train_step.recorded_train_step
+
+    def recorded(recorder, data):
+        graphs.append(tf.compat.v1.get_default_graph())
+        return traced(recorder, data)
+
+    train_step.recorded_train_step = recorded
+    try:
+        yield graphs
+    finally:
+        train_step.recorded_train_step = traced

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scenarios
 import tensorflow as tf
-from nanwatch_testlib import is_chunk_call
+from nanwatch_testlib import is_chunk_call, traced_graphs
 from scenarios import fit, origin
 
 import tb_nanwatch
@@ -34,21 +34,6 @@ def _count_builders(monkeypatch) -> dict:
     return built
 
 
-def _count_traces(monkeypatch) -> list:
-    """The graphs the recorded train step is traced in, one a trace."""
-    from tb_nanwatch import train_step
-
-    graphs = []
-    traced = train_step.recorded_train_step
-
-    def recorded(recorder, data):
-        graphs.append(tf.compat.v1.get_default_graph())
-        return traced(recorder, data)
-
-    monkeypatch.setattr(train_step, "recorded_train_step", recorded)
-    return graphs
-
-
 @pytest.mark.parametrize("jit_compile", [False, True])
 @pytest.mark.parametrize(
     "built_by",
@@ -71,9 +56,10 @@ def test_the_first_trace_is_the_one_that_runs(built_by, jit_compile, monkeypatch
     elif built_by == "an earlier fit":  # the steps before the all-zero row: healthy
         rows = slice(0, 2 * scenarios.BATCH)
         model.fit(**{**kwargs, "x": kwargs["x"][rows], "y": kwargs["y"][rows]}, verbose=0)
-    built, graphs = _count_builders(monkeypatch), _count_traces(monkeypatch)
+    built = _count_builders(monkeypatch)
     watch = tb_nanwatch.NanWatch(str(tmp_path))
-    history = model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
+    with traced_graphs() as graphs:
+        history = model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
     assert len(graphs) == 1 and built == {"values": 1, "schema_only": 0}
     assert origin(watch.incident) == truth
     assert watch.journal.steps == truth["step"] + 1  # every step recorded, the first too
@@ -135,9 +121,10 @@ def test_a_first_trace_that_creates_variables_builds_no_statistics(
         model, kwargs, truth = _sqrt_zero_layers_unbuilt(jit_compile)
     else:
         model, kwargs, truth = _sqrt_zero_state_at_first_call(jit_compile)
-    built, graphs = _count_builders(monkeypatch), _count_traces(monkeypatch)
+    built = _count_builders(monkeypatch)
     watch = tb_nanwatch.NanWatch(str(tmp_path))
-    model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
+    with traced_graphs() as graphs:
+        model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
     assert len(graphs) == 2 and built == {"values": 1, "schema_only": 1}
     assert origin(watch.incident) == truth
     assert watch.journal.steps == truth["step"] + 1
@@ -471,22 +458,10 @@ def test_chunks_of_one_signature_share_one_traced_conditional(monkeypatch):
     assert seen == [(True, len(layers), 1), 1]
 
 
-def test_a_softmax_output_the_loss_never_reads_is_not_computed(tmp_path, monkeypatch):
+def test_a_softmax_output_the_loss_never_reads_is_not_computed(tmp_path):
     # Keras's losses read a softmax output's logits, so the plain step never
     # computes the softmax (a 2000-way one over a transformer's batch). The
     # watched step must not either: the output layer's entry reads the logits.
-
-    from tb_nanwatch import train_step
-
-    graphs = []
-    traced = train_step.recorded_train_step
-
-    def recorded(recorder, data):
-        out = traced(recorder, data)
-        graphs.append(tf.compat.v1.get_default_graph())
-        return out
-
-    monkeypatch.setattr(train_step, "recorded_train_step", recorded)
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [
@@ -498,7 +473,8 @@ def test_a_softmax_output_the_loss_never_reads_is_not_computed(tmp_path, monkeyp
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     watch = tb_nanwatch.NanWatch(str(tmp_path))
     x = np.random.default_rng(0).standard_normal((16, 8)).astype("float32")
-    model.fit(x, np.arange(16) % 5, batch_size=8, epochs=1, verbose=0, callbacks=[watch])
+    with traced_graphs() as graphs:
+        model.fit(x, np.arange(16) % 5, batch_size=8, epochs=1, verbose=0, callbacks=[watch])
 
     softmax = [op for op in graphs[-1].get_operations() if op.type == "Softmax"]
     assert softmax  # Keras built it; nothing of the step runs it
