@@ -20,11 +20,12 @@ statistics are built from as few ops as possible, each one full pass at most:
   The vector is bit-for-bit what the eager counts would give.
 * The trigger is a value the entry computes anyway where possible: ``min +
   max`` of an activation (where this device's min/max propagate NaN, probed
-  once; not under XLA, whose min/max may drop a NaN), the sum of squares of a
+  once; under XLA, whose float min/max may drop a NaN, they are taken over
+  integers that keep it, see ``_low_high_by_keys``), the sum of squares of a
   gradient; otherwise the tensor's sum. NaN and Inf propagate through sums; a
   finite sum that overflows only makes the check conservative.
-* Reductions run in the tensor's own dtype where that is exact (min, max), so
-  a float16 activation is not first copied to float32.
+* Reductions run in the tensor's own dtype (or its width's integer) where that
+  is exact (min, max), so a float16 activation is not first copied to float32.
 * Gradients keep *half* sums of squares (``tf.nn.l2_loss``, one fused op;
   under XLA on a CPU summed by rows of 4 first, see ``half_sum_squares``);
   the factor 2 and the square root are applied once, to the packed vector.
@@ -38,6 +39,11 @@ from tensorflow.core.framework import attr_value_pb2
 
 from tb_nanwatch import lazy_counts
 from tb_nanwatch.lazy_counts import LazyCount, scalar_total
+
+try:  # XLA's own ops (one reduction with two results); TensorFlow has no public name for them.
+    from tensorflow.compiler.tf2xla.python import xla
+except ImportError:  # pragma: no cover - a TensorFlow build without them
+    xla = None
 from tb_nanwatch.schema import Schema
 
 # How each field reduces across replicas.
@@ -209,12 +215,95 @@ def sum_squares(t) -> tf.Tensor:
 
 
 def _low_high(t: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    if lazy_counts.in_xla() and t.dtype in _ORDERED_INTS:
+        return _low_high_by_keys(t)
     # min and max are exact in any dtype: reduce first, cast the scalars.
     rank = t.shape.rank
     if rank is None:
         return _f32(tf.reduce_min(t)), _f32(tf.reduce_max(t))
     axes = lazy_counts.graph_constant(np.arange(rank, dtype=np.int32))
     return _f32(tf.raw_ops.Min(input=t, axis=axes)), _f32(tf.raw_ops.Max(input=t, axis=axes))
+
+
+# The signed integer of each float's width (see _low_high_by_keys).
+_ORDERED_INTS = {
+    tf.float16: tf.int16,
+    tf.bfloat16: tf.int16,
+    tf.float32: tf.int32,
+    tf.float64: tf.int64,
+}
+
+
+def _low_high_by_keys(t: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """min and max of ``t`` under XLA, both from one pass over integers.
+
+    A float's bits, read as a signed integer with every bit but the sign's
+    flipped in negative values, sort as the floats do, and a NaN lands beyond
+    the infinity of its sign, so a NaN anywhere reaches the min or the max and
+    ``min + max`` is a trigger (XLA's float min and max may drop a NaN on a
+    CPU). One XLA reduction with two results takes both: float min and max
+    were two passes of XLA's slower NaN-aware compare (a transformer's XLA
+    step 1.24x plain's with them, 1.15x with this; bench/RESULTS.md, round
+    16). Both come back NaN when either is, as TensorFlow's own min and max.
+    """
+    low, high = (_f32(_from_key(k, t.dtype)) for k in _min_max_keys(_key(t)))
+    nan = tf.math.logical_or(lazy_counts.is_nan(low), lazy_counts.is_nan(high))
+    return tf.where(nan, low + high, low), tf.where(nan, low + high, high)
+
+
+def _key(t: tf.Tensor) -> tf.Tensor:
+    """``t``'s bits as an integer that sorts as ``t`` does (see _low_high_by_keys)."""
+    return _flip_negatives(tf.bitcast(t, _ORDERED_INTS[t.dtype]))
+
+
+def _flip_negatives(bits: tf.Tensor) -> tf.Tensor:
+    """``bits`` with every bit but the sign's flipped where the sign is set."""
+    width = np.dtype(bits.dtype.as_numpy_dtype)
+    # An arithmetic shift by the width less one: all ones for a negative value.
+    shift = lazy_counts.graph_constant(np.array(width.itemsize * 8 - 1, width))
+    largest = lazy_counts.graph_constant(np.array(np.iinfo(width).max, width))
+    return tf.bitwise.bitwise_xor(
+        bits, tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, shift), largest)
+    )
+
+
+def _min_max_keys(keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """The least and the greatest of ``keys`` (integers), from one pass over them."""
+    rank = keys.shape.rank
+    if rank is None or xla is None:
+        return tf.reduce_min(keys), tf.reduce_max(keys)
+    limits = np.iinfo(keys.dtype.as_numpy_dtype)
+    low, high = xla.variadic_reduce(
+        [keys, keys],
+        [lazy_counts.graph_constant(np.array(v, limits.dtype)) for v in (limits.max, limits.min)],
+        list(range(rank)),
+        _min_and_max(keys.dtype),
+    )
+    return low, high
+
+
+_MIN_AND_MAX: dict = {}
+
+
+def _min_and_max(dtype: tf.DType):
+    """The reducer of :func:`_min_max_keys`: (least, greatest) of two pairs,
+    traced once per dtype and process."""
+    if dtype not in _MIN_AND_MAX:
+        spec = tf.TensorSpec([], dtype)
+        reducer = tf.function(
+            lambda low, high, other_low, other_high: (
+                tf.minimum(low, other_low),
+                tf.maximum(high, other_high),
+            ),
+            autograph=False,
+        )
+        _MIN_AND_MAX[dtype] = reducer.get_concrete_function(spec, spec, spec, spec)
+    return _MIN_AND_MAX[dtype]
+
+
+def _from_key(key: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    """The float ``key`` was made from (the flip is its own inverse)."""
+    return tf.bitcast(_flip_negatives(key), dtype)
 
 
 def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
@@ -229,7 +318,8 @@ def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
     if not floating:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero, "min": low, "max": high}
-    if len(floating) == len(tensors) and not lazy_counts.in_xla() and minmax_propagates_nan():
+    minmax_is_trigger = lazy_counts.in_xla() or minmax_propagates_nan()
+    if len(floating) == len(tensors) and minmax_is_trigger:
         # NaN anywhere makes min or max NaN, and an Inf makes it infinite, so
         # min + max is non-finite exactly when a count can be non-zero.
         trigger = low + high

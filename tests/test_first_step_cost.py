@@ -367,6 +367,56 @@ def test_non_finite_tests_agree_with_numpy_in_and_out_of_xla(jit_compile, dtype)
     assert seen == [jit_compile, [] if jit_compile else ["IsFinite", "IsInf", "IsNan"]]
 
 
+def _min_max_cases(dtype: str) -> list[np.ndarray]:
+    big = float(tf.as_dtype(dtype).max)
+    cases = [
+        [1.0, -2.5, 3.0],
+        [-3.0, -7.0],
+        [5.0],
+        [-0.0, 0.0],
+        [big, -big],
+        [-np.inf, np.inf],
+        [np.nan, np.inf, -np.inf],
+    ]
+    values = np.random.default_rng(0).normal(size=4099) * 100
+    for where in (0, 2049, 4098):
+        for bad in (np.nan, -np.nan, np.inf, -np.inf):
+            poisoned = values.copy()
+            poisoned[where] = bad
+            cases.append(poisoned)
+    return [np.asarray(c, np.float64) for c in cases]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_min_and_max_agree_with_numpy_in_and_out_of_xla(jit_compile, dtype):
+    # Under XLA both come from one pass over the floats' bits as ordered
+    # integers (a NaN of either sign must reach one of them); both are NaN
+    # whenever the tensor holds a NaN, as TensorFlow's own min and max.
+    reductions = []
+
+    def low_high(t):
+        out = tf.stack(step_stats._low_high(t))
+        graph = tf.compat.v1.get_default_graph()
+        kinds = ("Min", "Max", "XlaVariadicReduceV2")
+        reductions.append(
+            tuple(sorted(op.type for op in graph.get_operations() if op.type in kinds))
+        )
+        return out
+
+    traced = {}  # one function a shape
+    for values in _min_max_cases(dtype):
+        x = tf.cast(tf.constant(values), dtype)
+        reshaped = tf.reshape(x, [-1, 1]) if len(values) % 2 else x  # ranks 1 and 2
+        if reshaped.shape not in traced:
+            traced[reshaped.shape] = tf.function(low_high, jit_compile=jit_compile, autograph=False)
+        got = traced[reshaped.shape](reshaped).numpy()
+        exact = x.numpy().astype(np.float64)
+        want = [np.nan] * 2 if np.isnan(exact).any() else [exact.min(), exact.max()]
+        np.testing.assert_array_equal(got, np.array(want, np.float32), err_msg=str(values[:4]))
+    assert set(reductions) == {("XlaVariadicReduceV2",) if jit_compile else ("Max", "Min")}
+
+
 @pytest.mark.parametrize(("jit_compile", "packed_max"), [(False, 2**32), (True, 2**32), (True, 5)])
 def test_counts_of_tensors_the_step_frees_are_exact(jit_compile, packed_max, monkeypatch):
     # Outside XLA they are held and counted at the end of the step; under XLA
