@@ -241,14 +241,20 @@ def _low_high_by_keys(t: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     flipped in negative values, sort as the floats do, and a NaN lands beyond
     the infinity of its sign, so a NaN anywhere reaches the min or the max and
     ``min + max`` is a trigger (XLA's float min and max may drop a NaN on a
-    CPU). One XLA reduction with two results takes both: float min and max
-    were two passes of XLA's slower NaN-aware compare (a transformer's XLA
-    step 1.24x plain's with them, 1.15x with this; bench/RESULTS.md, round
-    16). Both come back NaN when either is, as TensorFlow's own min and max.
+    CPU). One XLA reduction with two results takes both, in one pass where
+    float min, max and sum took three: a transformer's XLA step went from
+    1.23-1.24x plain's to 1.13-1.15x, the MLP's from 1.34 to 1.28 (paired).
+    The price, on this CPU: each such reduction compiles slower (the
+    transformer's XLA first step 1.32x -> 1.43x), and ResNet50's XLA step,
+    whose large activations come from convolutions, is 4% slower
+    (bench/RESULTS.md, round 16). Both come back NaN when either is, as
+    TensorFlow's own min and max.
     """
-    low, high = (_f32(_from_key(k, t.dtype)) for k in _min_max_keys(_key(t)))
-    nan = tf.math.logical_or(lazy_counts.is_nan(low), lazy_counts.is_nan(high))
-    return tf.where(nan, low + high, low), tf.where(nan, low + high, high)
+    # As a pair, so that each op after the reduction is made once, not twice.
+    pair = _f32(_from_key(tf.stack(_min_max_keys(_key(t))), t.dtype))
+    nan = tf.reduce_any(lazy_counts.is_nan(pair))
+    pair = tf.where(nan, lazy_counts.graph_constant(np.full([2], np.nan, np.float32)), pair)
+    return tuple(tf.unstack(pair))
 
 
 def _key(t: tf.Tensor) -> tf.Tensor:
