@@ -39,12 +39,12 @@ from tensorflow.core.framework import attr_value_pb2
 
 from tb_nanwatch import lazy_counts
 from tb_nanwatch.lazy_counts import LazyCount, scalar_total
+from tb_nanwatch.schema import Schema
 
 try:  # XLA's own ops (one reduction with two results); TensorFlow has no public name for them.
     from tensorflow.compiler.tf2xla.python import xla
 except ImportError:  # pragma: no cover - a TensorFlow build without them
     xla = None
-from tb_nanwatch.schema import Schema
 
 # How each field reduces across replicas.
 _FIELD_OPS = {
@@ -314,10 +314,10 @@ def _from_key(key: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 
 def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
     """nan/inf counts, min and max over a list of tensors (float32)."""
-    if len(tensors) == 1:
-        low, high = _low_high(tensors[0])
+    pairs = [_low_high(t) for t in tensors]
+    if len(pairs) == 1:
+        low, high = pairs[0]
     else:
-        pairs = [_low_high(t) for t in tensors]
         low = tf.reduce_min(tf.stack([p[0] for p in pairs]))
         high = tf.reduce_max(tf.stack([p[1] for p in pairs]))
     floating = [t for t in tensors if t.dtype.is_floating]
@@ -326,9 +326,11 @@ def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
         return {"nan": zero, "inf": zero, "min": low, "max": high}
     minmax_is_trigger = lazy_counts.in_xla() or minmax_propagates_nan()
     if len(floating) == len(tensors) and minmax_is_trigger:
-        # NaN anywhere makes min or max NaN, and an Inf makes it infinite, so
-        # min + max is non-finite exactly when a count can be non-zero.
-        trigger = low + high
+        # NaN anywhere makes a tensor's min or max NaN, and an Inf makes it
+        # infinite, so min + max is non-finite exactly when a count can be
+        # non-zero. Summed per tensor: XLA's float min and max of several
+        # tensors' pairs may drop a NaN.
+        trigger = scalar_total([tensor_low + tensor_high for tensor_low, tensor_high in pairs])
     else:
         triggers = [lazy_counts.trigger(t) for t in floating]
         trigger = scalar_total(triggers)

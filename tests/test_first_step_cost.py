@@ -393,6 +393,7 @@ def test_min_and_max_agree_with_numpy_in_and_out_of_xla(jit_compile, dtype):
     # Under XLA both come from one pass over the floats' bits as ordered
     # integers (a NaN of either sign must reach one of them); both are NaN
     # whenever the tensor holds a NaN, as TensorFlow's own min and max.
+    # XlaVariadicReduceV2 has no kernel outside XLA: that it ran proves XLA did.
     reductions = []
 
     def low_high(t):
@@ -415,6 +416,24 @@ def test_min_and_max_agree_with_numpy_in_and_out_of_xla(jit_compile, dtype):
         want = [np.nan] * 2 if np.isnan(exact).any() else [exact.min(), exact.max()]
         np.testing.assert_array_equal(got, np.array(want, np.float32), err_msg=str(values[:4]))
     assert set(reductions) == {("XlaVariadicReduceV2",) if jit_compile else ("Max", "Min")}
+
+
+@pytest.mark.parametrize("poison", [np.nan, -np.nan, np.inf])
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_an_entry_of_several_tensors_triggers_its_counts_on_any_of_them(jit_compile, poison):
+    # Its min and max are the min and max of the tensors' own, which XLA's float
+    # min and max may take without a NaN: the trigger must not depend on them.
+    finite = tf.constant(np.arange(6, dtype="float32").reshape(2, 3))
+    poisoned = tf.constant(np.array([1.0, poison, 2.0, 3.0], "float32"))
+
+    @tf.function(jit_compile=jit_compile, autograph=False)
+    def trigger(a, b):
+        fields = step_stats.tensor_fields([a, b])
+        assert isinstance(fields["nan"], lazy_counts.LazyCount)
+        return fields["nan"].trigger
+
+    assert not np.isfinite(trigger(finite, poisoned).numpy())
+    assert np.isfinite(trigger(finite, finite[0]).numpy())
 
 
 @pytest.mark.parametrize(("jit_compile", "packed_max"), [(False, 2**32), (True, 2**32), (True, 5)])
