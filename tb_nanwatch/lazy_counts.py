@@ -37,7 +37,7 @@ _FINITE_ATTR = "_nanwatch_trigger_is_finite"
 _HELD_ATTR = "_nanwatch_held"
 _SLICE_SIZE_ATTR = "_nanwatch_slice_size"
 _GRAPH_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Functions traced once per process (see _traced_once), by signature and
+# Functions traced once per process (see traced_once), by signature and
 # whether XLA compiles them.
 _PACKED_TOTAL_FUNCTIONS: dict = {}  # one tensor's packed NaN/Inf total
 _CHUNK_FUNCTIONS: dict = {}  # the count conditional of one chunk (counts_in_chunks)
@@ -223,7 +223,7 @@ def _chunk_counts(entries: list[LazyCount]) -> tf.Tensor:
         return _counts_unless_finite(triggers, grouped)
 
     key = (_signature(triggers), _signature(sources), sizes, in_xla())
-    return _traced_once(_CHUNK_FUNCTIONS, key, chunk, triggers, sources)(triggers, sources)
+    return traced_once(_CHUNK_FUNCTIONS, key, chunk, triggers, sources)(triggers, sources)
 
 
 def _counts_unless_finite(triggers: list, entries: list) -> tf.Tensor:
@@ -246,9 +246,9 @@ def _signature(tensors: list) -> tuple:
     )
 
 
-def _traced_once(cache: dict, key: tuple, function, *examples):
-    """``function`` traced for the signatures of ``examples`` (tensors or lists
-    of them), once per ``key`` in ``cache``."""
+def traced_once(cache: dict, key: tuple, function, *examples):
+    """``function`` traced for the signatures of ``examples`` (tensors, specs
+    or lists of them), once per ``key`` in ``cache``."""
     if key not in cache:
         specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), examples)
         traced = tf.function(function, autograph=False, reduce_retracing=False)
@@ -297,7 +297,7 @@ def _packed_total_function(t: tf.Tensor):
     building its ops again for every counted tensor (a transformer counts
     ~220, most of a few shapes), and XLA converts it once per shape."""
     key = (_signature([t]), in_xla())
-    return _traced_once(_PACKED_TOTAL_FUNCTIONS, key, _packed_total_of, t)
+    return traced_once(_PACKED_TOTAL_FUNCTIONS, key, _packed_total_of, t)
 
 
 def _packed_total_of(t: tf.Tensor) -> tf.Tensor:

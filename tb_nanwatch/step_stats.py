@@ -288,23 +288,18 @@ def _min_max_keys(keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return low, high
 
 
-_MIN_AND_MAX: dict = {}
+_MIN_AND_MAX: dict = {}  # the reducer of _min_max_keys, by dtype
 
 
 def _min_and_max(dtype: tf.DType):
     """The reducer of :func:`_min_max_keys`: (least, greatest) of two pairs,
     traced once per dtype and process."""
-    if dtype not in _MIN_AND_MAX:
-        spec = tf.TensorSpec([], dtype)
-        reducer = tf.function(
-            lambda low, high, other_low, other_high: (
-                tf.minimum(low, other_low),
-                tf.maximum(high, other_high),
-            ),
-            autograph=False,
-        )
-        _MIN_AND_MAX[dtype] = reducer.get_concrete_function(spec, spec, spec, spec)
-    return _MIN_AND_MAX[dtype]
+    scalar = tf.TensorSpec([], dtype)
+    return lazy_counts.traced_once(_MIN_AND_MAX, (dtype,), _pair_min_max, *[scalar] * 4)
+
+
+def _pair_min_max(low, high, other_low, other_high) -> tuple[tf.Tensor, tf.Tensor]:
+    return tf.minimum(low, other_low), tf.maximum(high, other_high)
 
 
 def _from_key(key: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
