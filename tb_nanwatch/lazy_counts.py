@@ -270,19 +270,25 @@ def _exact_pairs(entries: list) -> tf.Tensor:
             packed[i] = _packed_total(sources)
         else:
             unpacked[i] = tf.stack([exact_total(kind, sources) for kind in KINDS])
-    parts = []
+    parts, position = [], {}  # position: entry -> where its NaN and Inf counts are in parts
     if packed:
         totals = tf.stack(list(packed.values()))
         low_bits = graph_constant(np.array(_INF_UNIT - 1, np.int64))
         shift = graph_constant(np.array(_INF_UNIT.bit_length() - 1, np.int64))
         nan, inf = tf.bitwise.bitwise_and(totals, low_bits), tf.bitwise.right_shift(totals, shift)
-        parts.append(tf.cast(tf.stack([nan, inf], axis=1), tf.float32))
-    parts += [tf.reshape(pair, [1, len(KINDS)]) for pair in unpacked.values()]
-    rows = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
-    order = list(packed) + list(unpacked)
-    if order != sorted(order):
-        rows = tf.gather(rows, graph_constant(np.argsort(order).astype(np.int32)))
-    return tf.reshape(rows, [-1])
+        parts.append(tf.cast(tf.concat([nan, inf], 0), tf.float32))
+        position = {i: (p, len(packed) + p) for p, i in enumerate(packed)}
+    for i, pair in unpacked.items():
+        start = 2 * len(position)
+        parts.append(pair)
+        position[i] = (start, start + 1)
+    values = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+    # In entry order. The gather also keeps the branch a branch: XLA turns a
+    # conditional whose branches hold only ops it deems cheap (elementwise
+    # ops, reductions that its tree reduction rewrite leaves alone, reshapes,
+    # concatenations) into a select of both, which would count every step.
+    index = [p for i in range(len(entries)) for p in position[i]]
+    return tf.gather(values, graph_constant(np.array(index, np.int32)))
 
 
 def _packed_total(sources) -> tf.Tensor:

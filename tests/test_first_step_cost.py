@@ -491,6 +491,33 @@ def _chunk_calls(graph) -> list:
     return [op for op in graph.get_operations() if is_chunk_call(op)]
 
 
+@pytest.mark.parametrize("per_chunk", [1, 3])
+def test_xla_keeps_each_count_chunk_a_conditional(per_chunk, monkeypatch):
+    # XLA replaces a conditional whose branches it deems cheap by a select
+    # of both, which would count every tensor on every step. Its tree
+    # reduction rewrite makes a large tensor's count look expensive, but not
+    # that of a tensor whose every dimension is 32 or less.
+    monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 4)
+    monkeypatch.setattr(lazy_counts, "XLA_MAX_CONDITIONALS", 3 // per_chunk)
+    monkeypatch.setattr(lazy_counts, "_CHUNK_FUNCTIONS", {})
+    shapes = [[8, 16], [8, 16], [16]]
+
+    @tf.function(jit_compile=True)
+    def counts(*xs):
+        lazies = []
+        for x in xs:
+            y = x * 2.0
+            fields = lazy_counts.transient_counts_of([y], tf.reduce_sum(y))
+            lazies += [fields[kind] for kind in lazy_counts.KINDS]
+        return lazy_counts.counts_in_chunks(lazies, ["forward"] * len(lazies))
+
+    xs = [np.ones(shape, np.float32) for shape in shapes]
+    xs[1][2, 3], xs[2][0] = np.nan, -np.inf
+    np.testing.assert_array_equal(counts(*xs).numpy(), [0, 0, 1, 0, 0, 1])
+    optimized = counts.experimental_get_compiler_ir(*xs)(stage="optimized_hlo")
+    assert optimized.count(" conditional(") == 3 // per_chunk
+
+
 def test_chunks_of_one_signature_share_one_traced_conditional(monkeypatch):
     # A model's repeated layers give chunks of the same dtypes and shapes:
     # their conditional is traced (and converted by XLA) once, and each
