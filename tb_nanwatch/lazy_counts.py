@@ -278,10 +278,11 @@ def _exact_pairs(entries: list) -> tf.Tensor:
         nan, inf = tf.bitwise.bitwise_and(totals, low_bits), tf.bitwise.right_shift(totals, shift)
         parts.append(tf.cast(tf.concat([nan, inf], 0), tf.float32))
         position = {i: (p, len(packed) + p) for p, i in enumerate(packed)}
+    offset = len(KINDS) * len(packed)
     for i, pair in unpacked.items():
-        start = 2 * len(position)
         parts.append(pair)
-        position[i] = (start, start + 1)
+        position[i] = (offset, offset + 1)
+        offset += len(KINDS)
     values = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
     # In entry order. The gather also keeps the branch a branch: XLA turns a
     # conditional whose branches hold only ops it deems cheap (elementwise
