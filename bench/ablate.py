@@ -9,8 +9,8 @@ tool, never a setting.
 Parts:
 
 * ``counts``: the exact NaN/Inf counts' conditional at the end of the step (under XLA, the
-  chunks' conditionals); every watched tensor's count is then 0 (only the loss's own counts,
-  computed in place, still see a NaN);
+  counts taken in each statistic's own pass, or the chunks' conditionals); every watched
+  tensor's count is then 0 (only the loss's own counts, computed in place, still see a NaN);
 * ``copy``: the conditional that copies the weights before a step that may be non-finite
   (``pre_step_weights="on_suspect"``, the default);
 * ``stash``: the conditional that keeps a non-finite step's batch;
@@ -70,6 +70,7 @@ def without(parts) -> Iterator[None]:
         replaced.append(
             (lazy_counts, "counts_in_chunks", lambda counts, phases=None: tf.zeros([len(counts)]))
         )
+        replaced.append((step_stats, "counted_in_pass", lambda t: False))
     if "holds" in parts:
         replaced.append((lazy_counts, "held_if_non_finite", lambda t, trigger_value: t))
     saved = [(module, name, getattr(module, name)) for module, name, _ in replaced]

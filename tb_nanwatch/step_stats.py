@@ -15,9 +15,12 @@ statistics are built from as few ops as possible, each one full pass at most:
   whenever a source holds a NaN or an Inf. :meth:`StatsBuilder.vector` checks
   all triggers at once and computes the exact counts, in one ``tf.cond``
   branch, only when one of them is non-finite; otherwise every count is
-  exactly 0 (under XLA a few entries at a time instead, see
-  ``lazy_counts.counts_in_chunks``).
-  The vector is bit-for-bit what the eager counts would give.
+  exactly 0. The vector is bit-for-bit what the eager counts would give.
+* Under XLA, which compiles every conditional's branch before the first
+  step, a tensor's counts are instead one more result of the reduction that
+  takes its statistic (:func:`counted_in_pass`): exact on every step, and
+  for the first step's compile only a few ops a tensor (or a stack of
+  same-shaped weights and gradients, see :func:`each_gradient_fields`).
 * The trigger is a value the entry computes anyway where possible: ``min +
   max`` of an activation (where this device's min/max propagate NaN, probed
   once; under XLA, whose float min/max may drop a NaN, they are taken over
@@ -38,7 +41,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from tb_nanwatch import lazy_counts
-from tb_nanwatch.lazy_counts import LazyCount, scalar_total
+from tb_nanwatch.lazy_counts import LazyCount, PackedCount, scalar_total
 from tb_nanwatch.schema import Schema
 
 try:  # XLA's own ops (one reduction with two results); TensorFlow has no public name for them.
@@ -123,8 +126,9 @@ def exact_nonfinite_count(fields: dict) -> tf.Tensor:
 
 
 def exact(count) -> tf.Tensor:
-    """A count field as a tensor: a :class:`LazyCount` built now, else as is."""
-    return count.exact() if isinstance(count, LazyCount) else count
+    """A count field as a tensor: a :class:`LazyCount` built now, a
+    :class:`PackedCount` unpacked now, else as is."""
+    return count.exact() if isinstance(count, (LazyCount, PackedCount)) else count
 
 
 def count_nan(t: tf.Tensor) -> tf.Tensor:
@@ -146,6 +150,8 @@ def value_fields(t: tf.Tensor) -> dict:
     if not t.dtype.is_floating:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero}
+    if counted_in_pass(t):
+        return lazy_counts.packed_counts_of(tf.reduce_sum(lazy_counts.packed_code(t)))
     return lazy_counts.counts_of([t], lazy_counts.trigger(t))
 
 
@@ -307,8 +313,172 @@ def _from_key(key: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     return tf.bitcast(_flip_negatives(key), dtype)
 
 
+# Under XLA a tensor's NaN and Inf counts are taken in the pass that reads it
+# anyway (see counted_in_pass).
+_IN_PASS_MAX_ELEMENTS = lazy_counts.PACKED_MAX_ELEMENTS - 1
+
+
+def counted_in_pass(t: tf.Tensor) -> bool:
+    """Whether the NaN and Inf counts of ``t`` are an exact result of the
+    reduction that takes its statistic (under XLA, for a float tensor of
+    known size), as a :class:`~tb_nanwatch.lazy_counts.PackedCount`.
+
+    Lazy counts cost XLA a conditional for every few tensors, each compiled
+    with its branch and its triggers: about 3 s of a transformer's first
+    step (bench/RESULTS.md, round 17). One more result of a reduction that
+    is made anyway costs the step next to nothing, and the counts are exact
+    on every step (round 18).
+    """
+    size = t.shape.num_elements()
+    return (
+        xla is not None
+        and lazy_counts.in_xla()
+        and t.dtype in _ORDERED_INTS
+        and size is not None
+        and size <= _IN_PASS_MAX_ELEMENTS
+    )
+
+
+def _fields_in_one_pass(tensors: list[tf.Tensor]) -> dict:
+    """:func:`tensor_fields` of tensors :func:`counted_in_pass`: the least and
+    greatest key and the packed count of each from one reduction."""
+    lows, highs, packed = [], [], []
+    for t in tensors:
+        keys = _key(t)
+        limits = np.iinfo(keys.dtype.as_numpy_dtype)
+        inits = [
+            lazy_counts.graph_constant(np.array(v, limits.dtype)) for v in (limits.max, limits.min)
+        ]
+        low, high, count = _one_pass([keys, keys, lazy_counts.packed_code(t)], inits, "extremes")
+        lows.append(_f32(_from_key(low, t.dtype)))
+        highs.append(_f32(_from_key(high, t.dtype)))
+        packed.append(count)
+    low, high = lows[0], highs[0]
+    if len(tensors) > 1:
+        low, high = tf.reduce_min(tf.stack(lows)), tf.reduce_max(tf.stack(highs))
+    total = scalar_total(packed)
+    # As TensorFlow's own min and max: both NaN when a tensor holds a NaN.
+    nan = tf.bitwise.bitwise_and(total, lazy_counts.graph_constant(np.array(lazy_counts.NAN_BITS)))
+    pair = tf.where(
+        nan > 0, lazy_counts.graph_constant(np.full([2], np.nan, np.float32)), tf.stack([low, high])
+    )
+    low, high = tf.unstack(pair)
+    return {**lazy_counts.packed_counts_of(total), "min": low, "max": high}
+
+
+def _half_sum_squares_and_count(t) -> tuple[tf.Tensor, tf.Tensor]:
+    """(sum(t**2) / 2 as float32, packed count) of a gradient :func:`counted_in_pass`,
+    from one reduction; cached on the tensor (a gradient watched twice is reduced once)."""
+    if isinstance(t, tf.IndexedSlices):
+        t = t.values
+    cached = getattr(t, _HALF_SUMSQ_COUNT_ATTR, None)
+    if cached is None:
+        x = _f32(t)
+        zero = lazy_counts.graph_constant(np.array(0, np.float32))
+        total, count = _one_pass([x * x, lazy_counts.packed_code(t)], [zero], "squares")
+        cached = (0.5 * total, count)
+        try:
+            setattr(t, _HALF_SUMSQ_COUNT_ATTR, cached)
+        except AttributeError:
+            pass
+    return cached
+
+
+_HALF_SUMSQ_COUNT_ATTR = "_nanwatch_half_sum_squares_and_count"
+
+
+def _one_pass(operands: list, inits: list, what: str, axes: list | None = None) -> list:
+    """One XLA reduction over all of ``operands`` (one shape); the last is a
+    :func:`~tb_nanwatch.lazy_counts.packed_code`, summed from 0. ``what``:
+    ``"extremes"`` (a least and a greatest key first) or ``"squares"`` (a
+    sum first)."""
+    zero = lazy_counts.graph_constant(np.array(0, np.int64))
+    dtypes = tuple(o.dtype for o in operands)
+    axes = list(range(operands[0].shape.rank)) if axes is None else axes
+    return xla.variadic_reduce(operands, [*inits, zero], axes, _one_pass_reducer(what, dtypes))
+
+
+_ONE_PASS_REDUCERS: dict = {}  # the reducers of _one_pass, by what and dtypes
+
+
+def _one_pass_reducer(what: str, dtypes: tuple):
+    """The reducer of :func:`_one_pass`, traced once per process for each
+    ``what`` and operand dtypes."""
+    specs = [tf.TensorSpec([], d) for d in dtypes]
+    n = len(specs)
+
+    def reducer(*args):
+        mine, other = args[:n], args[n:]
+        if what == "extremes":
+            head = [tf.minimum(mine[0], other[0]), tf.maximum(mine[1], other[1])]
+        else:
+            head = [mine[0] + other[0]]
+        return (*head, mine[-1] + other[-1])
+
+    return lazy_counts.traced_once(_ONE_PASS_REDUCERS, (what, dtypes), reducer, *specs, *specs)
+
+
+def each_gradient_fields(grads: list) -> list[dict]:
+    """:func:`gradient_fields` of each of ``grads`` (one gradient each); under
+    XLA the gradients of one shape and dtype in one reduction (see
+    :func:`_by_shape`)."""
+    grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    return _by_shape(grads, _gradient_group_fields, lambda g: gradient_fields([g]))
+
+
+def each_value_fields(values: list[tf.Tensor]) -> list[dict]:
+    """:func:`value_fields` of each of ``values`` (weights read after the
+    update); under XLA the weights of one shape and dtype in one reduction."""
+    return _by_shape(values, _value_group_fields, value_fields)
+
+
+def _by_shape(tensors: list, group_fields, one_fields) -> list[dict]:
+    """The fields of each of ``tensors``: ``group_fields`` of the tensors
+    :func:`counted_in_pass` stacked by shape and dtype (a list of dicts, one
+    a tensor), ``one_fields`` of any other.
+
+    The TensorFlow ops of a step's statistics cost XLA's first step about
+    0.5 ms each, whatever their size: a weight and its gradient have a few
+    of their own otherwise. These tensors are all alive at the update
+    anyway, so stacking them keeps nothing longer.
+    """
+    fields: list = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t is not None and counted_in_pass(t) and t.shape.num_elements():
+            groups.setdefault((t.dtype, tuple(t.shape.as_list())), []).append(i)
+        else:
+            fields[i] = one_fields(t)
+    for indices in groups.values():
+        members = [tensors[i] for i in indices]
+        stacked = members[0][None] if len(members) == 1 else tf.stack(members)
+        for i, f in zip(indices, group_fields(stacked), strict=True):
+            fields[i] = f
+    return fields
+
+
+def _gradient_group_fields(stacked: tf.Tensor) -> list[dict]:
+    x = _f32(stacked)
+    zero = lazy_counts.graph_constant(np.array(0, np.float32))
+    axes = list(range(1, stacked.shape.rank))
+    totals, packed = _one_pass([x * x, lazy_counts.packed_code(stacked)], [zero], "squares", axes)
+    halves = tf.unstack(0.5 * totals)
+    return [
+        {**lazy_counts.packed_counts_of(p), "norm": h}
+        for h, p in zip(halves, tf.unstack(packed), strict=True)
+    ]
+
+
+def _value_group_fields(stacked: tf.Tensor) -> list[dict]:
+    axes = lazy_counts.graph_constant(np.arange(1, stacked.shape.rank, dtype=np.int32))
+    packed = tf.reduce_sum(lazy_counts.packed_code(stacked), axes)
+    return [lazy_counts.packed_counts_of(p) for p in tf.unstack(packed)]
+
+
 def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
     """nan/inf counts, min and max over a list of tensors (float32)."""
+    if tensors and all(counted_in_pass(t) for t in tensors):
+        return _fields_in_one_pass(tensors)
     pairs = [_low_high(t) for t in tensors]
     if len(pairs) == 1:
         low, high = pairs[0]
@@ -341,6 +511,10 @@ def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
     if not grads:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero, "norm": zero}
+    if all(counted_in_pass(g) for g in grads):
+        parts = [_half_sum_squares_and_count(g) for g in grads]
+        packed = scalar_total([p[1] for p in parts])
+        return {**lazy_counts.packed_counts_of(packed), "norm": scalar_total([p[0] for p in parts])}
     squares = [half_sum_squares(g) for g in grads]
     # The sum of squares is NaN or Inf whenever a gradient holds one: it is
     # the trigger of the lazy counts, at no extra cost.
@@ -396,7 +570,8 @@ class StatsBuilder:
             self._layout.append((group, slots[name]))
             value = fields[name]
             if group == "sum":
-                self._sum_specs.append(value if isinstance(value, LazyCount) else _f32(value))
+                counted = isinstance(value, (LazyCount, PackedCount))
+                self._sum_specs.append(value if counted else _f32(value))
                 self._sum_phases.append(phase)
             else:
                 self._partials[group].append(_f32(value))
@@ -431,7 +606,10 @@ class StatsBuilder:
         checks = [earlier] if earlier is not None else []
         if triggers:
             checks.append(tf.logical_not(lazy_counts.all_finite(triggers)))
-        eager = [s for s in specs if not isinstance(s, LazyCount)]
+        packed = _unique([s.packed for s in specs if isinstance(s, PackedCount)])
+        if packed:
+            checks.append(_any_counted(packed))
+        eager = [s for s in specs if not isinstance(s, (LazyCount, PackedCount))]
         if eager:
             checks.append(scalar_total(eager) > 0)
         if not checks:
@@ -448,8 +626,17 @@ class StatsBuilder:
         specs = self._sum_specs
         if not specs:
             return tf.zeros([0], tf.float32)
-        eager = [i for i, s in enumerate(specs) if not isinstance(s, LazyCount)]
         lazy = [i for i, s in enumerate(specs) if isinstance(s, LazyCount)]
+        packed = [i for i, s in enumerate(specs) if isinstance(s, PackedCount)]
+        eager = [i for i, s in enumerate(specs) if i not in set(lazy + packed)]
+        if packed:
+            # Unpacked all at once; from here on they are eager values.
+            specs = list(specs)
+            for i, value in zip(
+                packed, tf.unstack(_unpacked_counts([specs[i] for i in packed])), strict=True
+            ):
+                specs[i] = value
+            eager = sorted(eager + packed)
         if not lazy:
             return tf.stack([specs[i] for i in eager])
         # Under XLA the counts are computed a few entries at a time (see
@@ -517,6 +704,31 @@ class StatsBuilder:
         index = [offsets[g] + i for g, i in self._layout]
         flat = tf.concat([stacked["extremes"], norms, sums], 0)
         return tf.gather(flat, lazy_counts.graph_constant(np.array(index, np.int32)))
+
+
+def _any_counted(packed: list[tf.Tensor]) -> tf.Tensor:
+    """A scalar bool: whether any of the packed counts ``packed`` is not 0.
+
+    Under XLA the test goes through a square root, which XLA does not copy
+    into each of its users: the pre-step weight copy has one select a weight
+    on it, and a cheap test over hundreds of counts copied into each of them
+    took XLA's fusion pass 20 s on a transformer.
+    """
+    largest = tf.cast(tf.reduce_max(tf.stack(packed)), tf.float32)
+    if lazy_counts.in_xla():
+        largest = tf.sqrt(largest)
+    return largest > 0
+
+
+def _unpacked_counts(counts: list[PackedCount]) -> tf.Tensor:
+    """float32 [len(counts)]: each packed count's own kind, unpacked in one go."""
+    totals = _unique([c.packed for c in counts])
+    position = {id(t): i for i, t in enumerate(totals)}
+    nan, inf = lazy_counts.split_packed(tf.stack(totals))
+    index = [position[id(c.packed)] + (len(totals) if c.kind == "inf" else 0) for c in counts]
+    return tf.gather(
+        tf.concat([nan, inf], 0), lazy_counts.graph_constant(np.array(index, np.int32))
+    )
 
 
 def _stack(values: list) -> tf.Tensor:
