@@ -113,7 +113,7 @@ class PhaseStatistics:
         """
         builder = builder if builder is not None else step_stats.StatsBuilder()
         if builder.records_values:
-            grad_fields = step_stats.each_gradient_fields(inputs.weight_grads)
+            grad_fields = [step_stats.gradient_fields([g]) for g in inputs.weight_grads]
         else:
             grad_fields = [{} for _ in inputs.weight_grads]
         self.header(builder, inputs, grad_fields)
@@ -225,11 +225,8 @@ class PhaseStatistics:
     def update(self, builder, weights: list) -> None:
         """Each variable after the optimizer's update."""
         owners = self.taps.variable_owners()
-        if builder.records_values:
-            values = step_stats.each_value_fields([tf.convert_to_tensor(v) for v in weights])
-        else:
-            values = [{} for _ in weights]
-        for v, fields in zip(weights, values, strict=True):
+        for v in weights:
+            fields = functools.partial(_value_fields, v)
             builder.add(
                 "update", "weights", owners.get(id(v)), f"{v.path} after the update", fields
             )
@@ -260,6 +257,10 @@ def _header_fields(inputs: StepInputs, grad_fields: list[dict]) -> dict:
         "skipped": skipped,
         "iterations": tf.cast(iterations, tf.float32),
     }
+
+
+def _value_fields(variable) -> dict:
+    return step_stats.value_fields(tf.convert_to_tensor(variable))
 
 
 def _grads_per_call(inputs: StepInputs) -> list[tuple[Any, list, list]]:

@@ -19,8 +19,7 @@ statistics are built from as few ops as possible, each one full pass at most:
 * Under XLA, which compiles every conditional's branch before the first
   step, a tensor's counts are instead one more result of the reduction that
   takes its statistic (:func:`counted_in_pass`): exact on every step, and
-  for the first step's compile only a few ops a tensor (or a stack of
-  same-shaped weights and gradients, see :func:`each_gradient_fields`).
+  for the first step's compile only a few ops a tensor.
 * The trigger is a value the entry computes anyway where possible: ``min +
   max`` of an activation (where this device's min/max propagate NaN, probed
   once; under XLA, whose float min/max may drop a NaN, they are taken over
@@ -387,14 +386,14 @@ def _half_sum_squares_and_count(t) -> tuple[tf.Tensor, tf.Tensor]:
 _HALF_SUMSQ_COUNT_ATTR = "_nanwatch_half_sum_squares_and_count"
 
 
-def _one_pass(operands: list, inits: list, what: str, axes: list | None = None) -> list:
+def _one_pass(operands: list, inits: list, what: str) -> list:
     """One XLA reduction over all of ``operands`` (one shape); the last is a
     :func:`~tb_nanwatch.lazy_counts.packed_code`, summed from 0. ``what``:
     ``"extremes"`` (a least and a greatest key first) or ``"squares"`` (a
     sum first)."""
     zero = lazy_counts.graph_constant(np.array(0, np.int64))
     dtypes = tuple(o.dtype for o in operands)
-    axes = list(range(operands[0].shape.rank)) if axes is None else axes
+    axes = list(range(operands[0].shape.rank))
     return xla.variadic_reduce(operands, [*inits, zero], axes, _one_pass_reducer(what, dtypes))
 
 
@@ -416,63 +415,6 @@ def _one_pass_reducer(what: str, dtypes: tuple):
         return (*head, mine[-1] + other[-1])
 
     return lazy_counts.traced_once(_ONE_PASS_REDUCERS, (what, dtypes), reducer, *specs, *specs)
-
-
-def each_gradient_fields(grads: list) -> list[dict]:
-    """:func:`gradient_fields` of each of ``grads`` (one gradient each); under
-    XLA the gradients of one shape and dtype in one reduction (see
-    :func:`_by_shape`)."""
-    grads = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads]
-    return _by_shape(grads, _gradient_group_fields, lambda g: gradient_fields([g]))
-
-
-def each_value_fields(values: list[tf.Tensor]) -> list[dict]:
-    """:func:`value_fields` of each of ``values`` (weights read after the
-    update); under XLA the weights of one shape and dtype in one reduction."""
-    return _by_shape(values, _value_group_fields, value_fields)
-
-
-def _by_shape(tensors: list, group_fields, one_fields) -> list[dict]:
-    """The fields of each of ``tensors``: ``group_fields`` of the tensors
-    :func:`counted_in_pass` stacked by shape and dtype (a list of dicts, one
-    a tensor), ``one_fields`` of any other.
-
-    The TensorFlow ops of a step's statistics cost XLA's first step about
-    0.5 ms each, whatever their size: a weight and its gradient have a few
-    of their own otherwise. These tensors are all alive at the update
-    anyway, so stacking them keeps nothing longer.
-    """
-    fields: list = [None] * len(tensors)
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t is not None and counted_in_pass(t) and t.shape.num_elements():
-            groups.setdefault((t.dtype, tuple(t.shape.as_list())), []).append(i)
-        else:
-            fields[i] = one_fields(t)
-    for indices in groups.values():
-        members = [tensors[i] for i in indices]
-        stacked = members[0][None] if len(members) == 1 else tf.stack(members)
-        for i, f in zip(indices, group_fields(stacked), strict=True):
-            fields[i] = f
-    return fields
-
-
-def _gradient_group_fields(stacked: tf.Tensor) -> list[dict]:
-    x = _f32(stacked)
-    zero = lazy_counts.graph_constant(np.array(0, np.float32))
-    axes = list(range(1, stacked.shape.rank))
-    totals, packed = _one_pass([x * x, lazy_counts.packed_code(stacked)], [zero], "squares", axes)
-    halves = tf.unstack(0.5 * totals)
-    return [
-        {**lazy_counts.packed_counts_of(p), "norm": h}
-        for h, p in zip(halves, tf.unstack(packed), strict=True)
-    ]
-
-
-def _value_group_fields(stacked: tf.Tensor) -> list[dict]:
-    axes = lazy_counts.graph_constant(np.arange(1, stacked.shape.rank, dtype=np.int32))
-    packed = tf.reduce_sum(lazy_counts.packed_code(stacked), axes)
-    return [lazy_counts.packed_counts_of(p) for p in tf.unstack(packed)]
 
 
 def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:

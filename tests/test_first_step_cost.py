@@ -599,7 +599,7 @@ def test_xla_takes_each_count_in_the_pass_of_its_statistic(dtype):
     # Under XLA the NaN and Inf counts of an activation, a gradient and a
     # weight are results of the reduction that takes its min and max (its sum
     # of squares; for a weight its counts alone): exact on every step, and no
-    # conditional for XLA to compile. Two weights of one shape share one.
+    # conditional for XLA to compile.
     rng = np.random.default_rng(0)
     act = rng.standard_normal((6, 40))
     act[1, 3], act[4, 0], act[5, 39] = np.nan, -np.inf, np.inf
@@ -617,8 +617,8 @@ def test_xla_takes_each_count_in_the_pass_of_its_statistic(dtype):
     @tf.function(jit_compile=True, autograph=False)
     def fields(act, act_inf, grad, w1, w2, w3):
         entries = [step_stats.tensor_fields([act]), step_stats.tensor_fields([act_inf])]
-        entries += step_stats.each_gradient_fields([grad, w1, w2])
-        entries += step_stats.each_value_fields([w1, w2, w3])
+        entries += [step_stats.gradient_fields([g]) for g in (grad, w1, w2)]
+        entries += [step_stats.value_fields(w) for w in (w1, w2, w3)]
         ops.extend(op.type for op in tf.compat.v1.get_default_graph().get_operations())
         out = []
         for f in entries:
