@@ -17,7 +17,7 @@ the branch only the held sources (see :func:`held_if_non_finite`) are
 non-empty, so the concatenation copies just the tensors that went non-finite.
 
 Under XLA the statistics take most counts in their own pass instead (see
-``step_stats.counted_in_pass``): a :class:`PackedCount` each. A tensor they
+``step_stats.counted_in_pass``): a :class:`TakenCount` each. A tensor they
 cannot take that way is counted lazily, and since XLA cannot let go of a
 conditional's operand early, large activations and gradients a few entries
 at a time, each chunk in a conditional of its own (:func:`counts_in_chunks`).
@@ -45,8 +45,6 @@ _PACKED_TOTAL_FUNCTIONS: dict = {}  # one tensor's packed NaN/Inf total
 _CHUNK_FUNCTIONS: dict = {}  # the count conditional of one chunk (counts_in_chunks)
 KINDS = ("nan", "inf")
 _INF_UNIT = 2**32
-# The NaN count's bits of a packed count (see PackedCount).
-NAN_BITS = _INF_UNIT - 1
 # An entry of this many elements or more could overflow its packed NaN count.
 PACKED_MAX_ELEMENTS = _INF_UNIT
 # See counts_in_chunks: about this many conditionals at most for XLA to
@@ -308,19 +306,14 @@ def _packed_total_function(t: tf.Tensor):
 
 
 def _packed_total_of(t: tf.Tensor) -> tf.Tensor:
-    return tf.reduce_sum(packed_code(t))
-
-
-def packed_code(t: tf.Tensor) -> tf.Tensor:
-    """int64, for each element of ``t``: 1 for a NaN, ``2**32`` for an Inf, 0
-    otherwise. Summed, it is a packed count (see :class:`PackedCount`)."""
     one, unit, zero = (graph_constant(np.array(v, np.int64)) for v in (1, _INF_UNIT, 0))
-    return tf.where(is_nan(t), one, tf.where(is_inf(t), unit, zero))
+    return tf.reduce_sum(tf.where(is_nan(t), one, tf.where(is_inf(t), unit, zero)))
 
 
 def split_packed(totals: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """(NaN counts, Inf counts), float32, of packed counts ``totals`` (int64)."""
-    low_bits = graph_constant(np.array(NAN_BITS, np.int64))
+    """(NaN counts, Inf counts), float32, of packed totals (int64: each the NaN
+    count plus ``2**32`` times the Inf count)."""
+    low_bits = graph_constant(np.array(_INF_UNIT - 1, np.int64))
     shift = graph_constant(np.array(_INF_UNIT.bit_length() - 1, np.int64))
     both = tf.cast(
         tf.stack([tf.bitwise.bitwise_and(totals, low_bits), tf.bitwise.right_shift(totals, shift)]),
@@ -329,24 +322,28 @@ def split_packed(totals: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return both[0], both[1]
 
 
+def nonfinite_flags(t: tf.Tensor) -> list[tf.Tensor]:
+    """int32, for each element of ``t``: [1 where a NaN, 1 where an Inf]; summed, its counts."""
+    return [tf.cast(is_nan(t), tf.int32), tf.cast(is_inf(t), tf.int32)]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class PackedCount:
-    """The NaN (``kind="nan"``) or Inf count of a tensor, taken already: a
-    half of ``packed``, an int64 scalar that holds the NaN count plus
-    ``2**32`` times the Inf count (the sum of :func:`packed_code`). The
-    statistics builder unpacks all of a step's at once."""
+class TakenCount:
+    """The NaN (``kind="nan"``) or Inf count of one or more tensors, taken
+    already: ``value``, an int32 scalar (see ``step_stats.counted_in_pass``).
+    The statistics builder casts all of a step's at once."""
 
     kind: str
-    packed: tf.Tensor
+    value: tf.Tensor
 
     def exact(self) -> tf.Tensor:
-        """The count as a float32 scalar, unpacked now."""
-        return split_packed(tf.reshape(self.packed, [1]))[KINDS.index(self.kind)][0]
+        """The count as a float32 scalar."""
+        return tf.cast(self.value, tf.float32)
 
 
-def packed_counts_of(packed: tf.Tensor) -> dict[str, PackedCount]:
-    """``{"nan": ..., "inf": ...}`` of one packed count."""
-    return {kind: PackedCount(kind, packed) for kind in KINDS}
+def taken_counts_of(nan: tf.Tensor, inf: tf.Tensor) -> dict[str, TakenCount]:
+    """``{"nan": ..., "inf": ...}`` of two int32 counts."""
+    return {"nan": TakenCount("nan", nan), "inf": TakenCount("inf", inf)}
 
 
 def _worth_letting_go(t: tf.Tensor) -> bool:

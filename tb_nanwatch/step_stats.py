@@ -40,7 +40,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from tb_nanwatch import lazy_counts
-from tb_nanwatch.lazy_counts import LazyCount, PackedCount, scalar_total
+from tb_nanwatch.lazy_counts import LazyCount, TakenCount, scalar_total
 from tb_nanwatch.schema import Schema
 
 try:  # XLA's own ops (one reduction with two results); TensorFlow has no public name for them.
@@ -125,9 +125,9 @@ def exact_nonfinite_count(fields: dict) -> tf.Tensor:
 
 
 def exact(count) -> tf.Tensor:
-    """A count field as a tensor: a :class:`LazyCount` built now, a
-    :class:`PackedCount` unpacked now, else as is."""
-    return count.exact() if isinstance(count, (LazyCount, PackedCount)) else count
+    """A count field as a float32 tensor: a :class:`LazyCount` built now, a
+    :class:`TakenCount` cast, else as is."""
+    return count.exact() if isinstance(count, (LazyCount, TakenCount)) else count
 
 
 def count_nan(t: tf.Tensor) -> tf.Tensor:
@@ -150,7 +150,7 @@ def value_fields(t: tf.Tensor) -> dict:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero}
     if counted_in_pass(t):
-        return lazy_counts.packed_counts_of(tf.reduce_sum(lazy_counts.packed_code(t)))
+        return lazy_counts.taken_counts_of(*_one_pass(t, [], [], "counts"))
     return lazy_counts.counts_of([t], lazy_counts.trigger(t))
 
 
@@ -313,20 +313,21 @@ def _from_key(key: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 
 
 # Under XLA a tensor's NaN and Inf counts are taken in the pass that reads it
-# anyway (see counted_in_pass).
-_IN_PASS_MAX_ELEMENTS = lazy_counts.PACKED_MAX_ELEMENTS - 1
+# anyway (see counted_in_pass), in int32.
+_IN_PASS_MAX_ELEMENTS = 2**31 - 1
 
 
 def counted_in_pass(t: tf.Tensor) -> bool:
-    """Whether the NaN and Inf counts of ``t`` are an exact result of the
+    """Whether the NaN and Inf counts of ``t`` are exact results of the
     reduction that takes its statistic (under XLA, for a float tensor of
-    known size), as a :class:`~tb_nanwatch.lazy_counts.PackedCount`.
+    known size): two :class:`~tb_nanwatch.lazy_counts.TakenCount`.
 
     Lazy counts cost XLA a conditional for every few tensors, each compiled
     with its branch and its triggers: about 3 s of a transformer's first
-    step (bench/RESULTS.md, round 17). One more result of a reduction that
-    is made anyway costs the step next to nothing, and the counts are exact
-    on every step (round 18).
+    step (bench/RESULTS.md, round 17). Two more int32 results of a reduction
+    that is made anyway cost the step little (a 4M-element activation's min
+    and max: 0.84 -> 0.95 ms), and the counts are exact on every step
+    (round 18).
     """
     size = t.shape.num_elements()
     return (
@@ -340,61 +341,63 @@ def counted_in_pass(t: tf.Tensor) -> bool:
 
 def _fields_in_one_pass(tensors: list[tf.Tensor]) -> dict:
     """:func:`tensor_fields` of tensors :func:`counted_in_pass`: the least and
-    greatest key and the packed count of each from one reduction."""
-    lows, highs, packed = [], [], []
+    greatest key and the counts of each from one reduction."""
+    pairs, nans, infs = [], [], []
     for t in tensors:
         keys = _key(t)
         limits = np.iinfo(keys.dtype.as_numpy_dtype)
         inits = [
             lazy_counts.graph_constant(np.array(v, limits.dtype)) for v in (limits.max, limits.min)
         ]
-        low, high, count = _one_pass([keys, keys, lazy_counts.packed_code(t)], inits, "extremes")
-        lows.append(_f32(_from_key(low, t.dtype)))
-        highs.append(_f32(_from_key(high, t.dtype)))
-        packed.append(count)
-    low, high = lows[0], highs[0]
+        low, high, nan, inf = _one_pass(t, [keys, keys], inits, "extremes")
+        # As a pair, so that each op after the reduction is made once, not twice.
+        pairs.append(_f32(_from_key(tf.stack([low, high]), t.dtype)))
+        nans.append(nan)
+        infs.append(inf)
+    pair = pairs[0]
     if len(tensors) > 1:
-        low, high = tf.reduce_min(tf.stack(lows)), tf.reduce_max(tf.stack(highs))
-    total = scalar_total(packed)
+        stacked = tf.stack(pairs)
+        pair = tf.stack([tf.reduce_min(stacked[:, 0]), tf.reduce_max(stacked[:, 1])])
+    nan, inf = scalar_total(nans), scalar_total(infs)
     # As TensorFlow's own min and max: both NaN when a tensor holds a NaN.
-    nan = tf.bitwise.bitwise_and(total, lazy_counts.graph_constant(np.array(lazy_counts.NAN_BITS)))
-    pair = tf.where(
-        nan > 0, lazy_counts.graph_constant(np.full([2], np.nan, np.float32)), tf.stack([low, high])
-    )
+    pair = tf.where(nan > 0, lazy_counts.graph_constant(np.full([2], np.nan, np.float32)), pair)
     low, high = tf.unstack(pair)
-    return {**lazy_counts.packed_counts_of(total), "min": low, "max": high}
+    return {**lazy_counts.taken_counts_of(nan, inf), "min": low, "max": high}
 
 
-def _half_sum_squares_and_count(t) -> tuple[tf.Tensor, tf.Tensor]:
-    """(sum(t**2) / 2 as float32, packed count) of a gradient :func:`counted_in_pass`,
-    from one reduction; cached on the tensor (a gradient watched twice is reduced once)."""
+def _half_sum_squares_and_counts(t) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(sum(t**2) / 2 as float32, NaN count, Inf count) of a gradient
+    :func:`counted_in_pass`, from one reduction; cached on the tensor (a
+    gradient watched twice is reduced once)."""
     if isinstance(t, tf.IndexedSlices):
         t = t.values
-    cached = getattr(t, _HALF_SUMSQ_COUNT_ATTR, None)
+    cached = getattr(t, _HALF_SUMSQ_COUNTS_ATTR, None)
     if cached is None:
         x = _f32(t)
         zero = lazy_counts.graph_constant(np.array(0, np.float32))
-        total, count = _one_pass([x * x, lazy_counts.packed_code(t)], [zero], "squares")
-        cached = (0.5 * total, count)
+        total, nan, inf = _one_pass(t, [x * x], [zero], "squares")
+        cached = (0.5 * total, nan, inf)
         try:
-            setattr(t, _HALF_SUMSQ_COUNT_ATTR, cached)
+            setattr(t, _HALF_SUMSQ_COUNTS_ATTR, cached)
         except AttributeError:
             pass
     return cached
 
 
-_HALF_SUMSQ_COUNT_ATTR = "_nanwatch_half_sum_squares_and_count"
+_HALF_SUMSQ_COUNTS_ATTR = "_nanwatch_half_sum_squares_and_counts"
 
 
-def _one_pass(operands: list, inits: list, what: str) -> list:
-    """One XLA reduction over all of ``operands`` (one shape); the last is a
-    :func:`~tb_nanwatch.lazy_counts.packed_code`, summed from 0. ``what``:
-    ``"extremes"`` (a least and a greatest key first) or ``"squares"`` (a
-    sum first)."""
-    zero = lazy_counts.graph_constant(np.array(0, np.int64))
+def _one_pass(t: tf.Tensor, operands: list, inits: list, what: str) -> list:
+    """One XLA reduction over ``operands`` (of ``t``'s shape) and ``t``'s
+    NaN and Inf flags, whose int32 counts are its last two results.
+    ``what``: ``"extremes"`` (a least and a greatest key first), ``"squares"``
+    (a sum first) or ``"counts"`` (nothing else)."""
+    zero = lazy_counts.graph_constant(np.array(0, np.int32))
+    operands = [*operands, *lazy_counts.nonfinite_flags(t)]
     dtypes = tuple(o.dtype for o in operands)
-    axes = list(range(operands[0].shape.rank))
-    return xla.variadic_reduce(operands, [*inits, zero], axes, _one_pass_reducer(what, dtypes))
+    axes = list(range(t.shape.rank))
+    reducer = _one_pass_reducer(what, dtypes)
+    return xla.variadic_reduce(operands, [*inits, zero, zero], axes, reducer)
 
 
 _ONE_PASS_REDUCERS: dict = {}  # the reducers of _one_pass, by what and dtypes
@@ -410,9 +413,11 @@ def _one_pass_reducer(what: str, dtypes: tuple):
         mine, other = args[:n], args[n:]
         if what == "extremes":
             head = [tf.minimum(mine[0], other[0]), tf.maximum(mine[1], other[1])]
-        else:
+        elif what == "squares":
             head = [mine[0] + other[0]]
-        return (*head, mine[-1] + other[-1])
+        else:
+            head = []
+        return (*head, mine[-2] + other[-2], mine[-1] + other[-1])
 
     return lazy_counts.traced_once(_ONE_PASS_REDUCERS, (what, dtypes), reducer, *specs, *specs)
 
@@ -454,9 +459,12 @@ def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero, "norm": zero}
     if all(counted_in_pass(g) for g in grads):
-        parts = [_half_sum_squares_and_count(g) for g in grads]
-        packed = scalar_total([p[1] for p in parts])
-        return {**lazy_counts.packed_counts_of(packed), "norm": scalar_total([p[0] for p in parts])}
+        parts = [_half_sum_squares_and_counts(g) for g in grads]
+        nan, inf = (scalar_total([p[i] for p in parts]) for i in (1, 2))
+        return {
+            **lazy_counts.taken_counts_of(nan, inf),
+            "norm": scalar_total([p[0] for p in parts]),
+        }
     squares = [half_sum_squares(g) for g in grads]
     # The sum of squares is NaN or Inf whenever a gradient holds one: it is
     # the trigger of the lazy counts, at no extra cost.
@@ -512,7 +520,7 @@ class StatsBuilder:
             self._layout.append((group, slots[name]))
             value = fields[name]
             if group == "sum":
-                counted = isinstance(value, (LazyCount, PackedCount))
+                counted = isinstance(value, (LazyCount, TakenCount))
                 self._sum_specs.append(value if counted else _f32(value))
                 self._sum_phases.append(phase)
             else:
@@ -548,10 +556,10 @@ class StatsBuilder:
         checks = [earlier] if earlier is not None else []
         if triggers:
             checks.append(tf.logical_not(lazy_counts.all_finite(triggers)))
-        packed = _unique([s.packed for s in specs if isinstance(s, PackedCount)])
-        if packed:
-            checks.append(_any_counted(packed))
-        eager = [s for s in specs if not isinstance(s, (LazyCount, PackedCount))]
+        taken = _unique([s.value for s in specs if isinstance(s, TakenCount)])
+        if taken:
+            checks.append(_any_counted(taken))
+        eager = [s for s in specs if not isinstance(s, (LazyCount, TakenCount))]
         if eager:
             checks.append(scalar_total(eager) > 0)
         if not checks:
@@ -569,16 +577,15 @@ class StatsBuilder:
         if not specs:
             return tf.zeros([0], tf.float32)
         lazy = [i for i, s in enumerate(specs) if isinstance(s, LazyCount)]
-        packed = [i for i, s in enumerate(specs) if isinstance(s, PackedCount)]
-        eager = [i for i, s in enumerate(specs) if i not in set(lazy + packed)]
-        if packed:
-            # Unpacked all at once; from here on they are eager values.
+        taken = [i for i, s in enumerate(specs) if isinstance(s, TakenCount)]
+        eager = [i for i, s in enumerate(specs) if i not in set(lazy + taken)]
+        if taken:
+            # Cast all at once; from here on they are eager values.
             specs = list(specs)
-            for i, value in zip(
-                packed, tf.unstack(_unpacked_counts([specs[i] for i in packed])), strict=True
-            ):
+            values = tf.cast(tf.stack([specs[i].value for i in taken]), tf.float32)
+            for i, value in zip(taken, tf.unstack(values), strict=True):
                 specs[i] = value
-            eager = sorted(eager + packed)
+            eager = sorted(eager + taken)
         if not lazy:
             return tf.stack([specs[i] for i in eager])
         # Under XLA the counts are computed a few entries at a time (see
@@ -648,29 +655,18 @@ class StatsBuilder:
         return tf.gather(flat, lazy_counts.graph_constant(np.array(index, np.int32)))
 
 
-def _any_counted(packed: list[tf.Tensor]) -> tf.Tensor:
-    """A scalar bool: whether any of the packed counts ``packed`` is not 0.
+def _any_counted(counts: list[tf.Tensor]) -> tf.Tensor:
+    """A scalar bool: whether any of ``counts`` (int32 scalars) is not 0.
 
     Under XLA the test goes through a square root, which XLA does not copy
     into each of its users: the pre-step weight copy has one select a weight
     on it, and a cheap test over hundreds of counts copied into each of them
     took XLA's fusion pass 20 s on a transformer.
     """
-    largest = tf.cast(tf.reduce_max(tf.stack(packed)), tf.float32)
+    largest = tf.cast(tf.reduce_max(tf.stack(counts)), tf.float32)
     if lazy_counts.in_xla():
         largest = tf.sqrt(largest)
     return largest > 0
-
-
-def _unpacked_counts(counts: list[PackedCount]) -> tf.Tensor:
-    """float32 [len(counts)]: each packed count's own kind, unpacked in one go."""
-    totals = _unique([c.packed for c in counts])
-    position = {id(t): i for i, t in enumerate(totals)}
-    nan, inf = lazy_counts.split_packed(tf.stack(totals))
-    index = [position[id(c.packed)] + (len(totals) if c.kind == "inf" else 0) for c in counts]
-    return tf.gather(
-        tf.concat([nan, inf], 0), lazy_counts.graph_constant(np.array(index, np.int32))
-    )
 
 
 def _stack(values: list) -> tf.Tensor:

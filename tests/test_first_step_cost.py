@@ -648,8 +648,8 @@ def test_the_may_be_non_finite_test_is_not_copied_into_each_of_its_users():
     def instructions(users: int, counts: int = 60) -> int:
         @tf.function(jit_compile=True)
         def step(xs, weights):
-            packed = [tf.reduce_sum(lazy_counts.packed_code(x)) for x in tf.unstack(xs)]
-            flag = step_stats._any_counted(packed)
+            counts = [tf.reduce_sum(lazy_counts.nonfinite_flags(x)[0]) for x in tf.unstack(xs)]
+            flag = step_stats._any_counted(counts)
             return [tf.where(flag, w, -w) for w in tf.unstack(weights)]
 
         args = (tf.zeros([counts, 50]), tf.ones([users, 8]))
