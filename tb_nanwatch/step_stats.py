@@ -150,7 +150,7 @@ def value_fields(t: tf.Tensor) -> dict:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero}
     if counted_in_pass(t):
-        return lazy_counts.taken_counts_of(*_counts_taken(t))
+        return lazy_counts.taken_counts_of(*_one_pass(t, [], [], "counts"))
     return lazy_counts.counts_of([t], lazy_counts.trigger(t))
 
 
@@ -374,12 +374,9 @@ def _half_sum_squares_and_counts(t) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     cached = getattr(t, _HALF_SUMSQ_COUNTS_ATTR, None)
     if cached is None:
         x = _f32(t)
-        if _small(t):
-            cached = (tf.nn.l2_loss(x), *_counts_taken(t))
-        else:
-            zero = lazy_counts.graph_constant(np.array(0, np.float32))
-            total, nan, inf = _one_pass(t, [x * x], [zero], "squares")
-            cached = (0.5 * total, nan, inf)
+        zero = lazy_counts.graph_constant(np.array(0, np.float32))
+        total, nan, inf = _one_pass(t, [x * x], [zero], "squares")
+        cached = (0.5 * total, nan, inf)
         try:
             setattr(t, _HALF_SUMSQ_COUNTS_ATTR, cached)
         except AttributeError:
@@ -388,24 +385,6 @@ def _half_sum_squares_and_counts(t) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
 
 
 _HALF_SUMSQ_COUNTS_ATTR = "_nanwatch_half_sum_squares_and_counts"
-
-
-def _small(t: tf.Tensor) -> bool:
-    """Whether ``t`` is small enough that a reduction of its own for each of
-    its statistic and counts costs less than one reduction with several
-    results: tf2xla takes about 4.5 ms of the first step for each of those
-    (for a plain sum about 0.5 ms), while the extra pass over a small tensor
-    costs the step next to nothing."""
-    return t.shape.num_elements() < lazy_counts.HOLD_MIN_ELEMENTS
-
-
-def _counts_taken(t: tf.Tensor) -> list[tf.Tensor]:
-    """The int32 NaN and Inf counts of ``t``, :func:`counted_in_pass`: two
-    plain sums for a :func:`_small` tensor, else one reduction."""
-    if _small(t):
-        axes = lazy_counts.graph_constant(np.arange(t.shape.rank, dtype=np.int32))
-        return [tf.reduce_sum(flags, axes) for flags in lazy_counts.nonfinite_flags(t)]
-    return _one_pass(t, [], [], "counts")
 
 
 def _one_pass(t: tf.Tensor, operands: list, inits: list, what: str) -> list:
