@@ -246,7 +246,8 @@ def _low_high_by_keys(t: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     flipped in negative values, sort as the floats do, and a NaN lands beyond
     the infinity of its sign, so a NaN anywhere reaches the min or the max and
     ``min + max`` is a trigger (XLA's float min and max may drop a NaN on a
-    CPU). One XLA reduction with two results takes both, in one pass where
+    CPU). One XLA reduction takes both (with the NaN and Inf counts, see
+    :func:`_extremes_and_counts`), in one pass where
     float min, max and sum took three: a transformer's XLA step went from
     1.23-1.24x plain's to 1.13-1.15x, the MLP's from 1.34 to 1.28 (paired).
     The price, on this CPU: each such reduction compiles slower (the
@@ -255,8 +256,11 @@ def _low_high_by_keys(t: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     (bench/RESULTS.md, round 16). Both come back NaN when either is, as
     TensorFlow's own min and max.
     """
-    # As a pair, so that each op after the reduction is made once, not twice.
-    pair = _f32(_from_key(tf.stack(_min_max_keys(_key(t))), t.dtype))
+    if t.shape.rank is None or xla is None:
+        keys = _key(t)
+        pair = _f32(_from_key(tf.stack([tf.reduce_min(keys), tf.reduce_max(keys)]), t.dtype))
+    else:
+        pair = _extremes_and_counts(t)[0]
     nan = tf.reduce_any(lazy_counts.is_nan(pair))
     pair = tf.where(nan, lazy_counts.graph_constant(np.full([2], np.nan, np.float32)), pair)
     return tuple(tf.unstack(pair))
@@ -276,35 +280,6 @@ def _flip_negatives(bits: tf.Tensor) -> tf.Tensor:
     return tf.bitwise.bitwise_xor(
         bits, tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, shift), largest)
     )
-
-
-def _min_max_keys(keys: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """The least and the greatest of ``keys`` (integers), from one pass over them."""
-    rank = keys.shape.rank
-    if rank is None or xla is None:
-        return tf.reduce_min(keys), tf.reduce_max(keys)
-    limits = np.iinfo(keys.dtype.as_numpy_dtype)
-    low, high = xla.variadic_reduce(
-        [keys, keys],
-        [lazy_counts.graph_constant(np.array(v, limits.dtype)) for v in (limits.max, limits.min)],
-        list(range(rank)),
-        _min_and_max(keys.dtype),
-    )
-    return low, high
-
-
-_MIN_AND_MAX: dict = {}  # the reducer of _min_max_keys, by dtype
-
-
-def _min_and_max(dtype: tf.DType):
-    """The reducer of :func:`_min_max_keys`: (least, greatest) of two pairs,
-    traced once per dtype and process."""
-    scalar = tf.TensorSpec([], dtype)
-    return lazy_counts.traced_once(_MIN_AND_MAX, (dtype,), _pair_min_max, *[scalar] * 4)
-
-
-def _pair_min_max(low, high, other_low, other_high) -> tuple[tf.Tensor, tf.Tensor]:
-    return tf.minimum(low, other_low), tf.maximum(high, other_high)
 
 
 def _from_key(key: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
@@ -342,27 +317,30 @@ def counted_in_pass(t: tf.Tensor) -> bool:
 def _fields_in_one_pass(tensors: list[tf.Tensor]) -> dict:
     """:func:`tensor_fields` of tensors :func:`counted_in_pass`: the least and
     greatest key and the counts of each from one reduction."""
-    pairs, nans, infs = [], [], []
-    for t in tensors:
-        keys = _key(t)
-        limits = np.iinfo(keys.dtype.as_numpy_dtype)
-        inits = [
-            lazy_counts.graph_constant(np.array(v, limits.dtype)) for v in (limits.max, limits.min)
-        ]
-        low, high, nan, inf = _one_pass(t, [keys, keys], inits, "extremes")
-        # As a pair, so that each op after the reduction is made once, not twice.
-        pairs.append(_f32(_from_key(tf.stack([low, high]), t.dtype)))
-        nans.append(nan)
-        infs.append(inf)
+    pairs, nans, infs = zip(*[_extremes_and_counts(t) for t in tensors], strict=True)
     pair = pairs[0]
     if len(tensors) > 1:
         stacked = tf.stack(pairs)
         pair = tf.stack([tf.reduce_min(stacked[:, 0]), tf.reduce_max(stacked[:, 1])])
-    nan, inf = scalar_total(nans), scalar_total(infs)
+    nan, inf = scalar_total(list(nans)), scalar_total(list(infs))
     # As TensorFlow's own min and max: both NaN when a tensor holds a NaN.
     pair = tf.where(nan > 0, lazy_counts.graph_constant(np.full([2], np.nan, np.float32)), pair)
     low, high = tf.unstack(pair)
     return {**lazy_counts.taken_counts_of(nan, inf), "min": low, "max": high}
+
+
+def _extremes_and_counts(t: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """([min, max] as float32, NaN count, Inf count) of ``t`` under XLA, from
+    one reduction over its keys and its NaN and Inf flags (see
+    :func:`_low_high_by_keys`; the counts are int32)."""
+    keys = _key(t)
+    limits = np.iinfo(keys.dtype.as_numpy_dtype)
+    inits = [
+        lazy_counts.graph_constant(np.array(v, limits.dtype)) for v in (limits.max, limits.min)
+    ]
+    low, high, nan, inf = _one_pass(t, [keys, keys], inits, "extremes")
+    # As a pair, so that each op after the reduction is made once, not twice.
+    return _f32(_from_key(tf.stack([low, high]), t.dtype)), nan, inf
 
 
 def _half_sum_squares_and_counts(t) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
