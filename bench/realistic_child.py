@@ -36,9 +36,10 @@ class FloorRecorder:
 
     With ``exact_counts`` (the ``floor_counts`` variant) the row also holds
     the exact NaN and Inf count of every one of those tensors, each sum its
-    trigger, built as NanWatch builds them (``tb_nanwatch.lazy_counts``: held
-    and counted in one rare conditional, under XLA a few at a time): what
-    exact counts cost on top of the floor, without NanWatch's other
+    trigger, lazy as NanWatch builds them without XLA (``tb_nanwatch.lazy_counts``:
+    held and counted in one rare conditional; under XLA a few at a time, as
+    NanWatch counted before it took the counts in its statistics' own pass):
+    what lazy exact counts cost on top of the floor, without NanWatch's other
     statistics (min, max, norms) and host side.
     """
 
