@@ -274,7 +274,7 @@ def _exact_pairs(entries: list) -> tf.Tensor:
             unpacked[i] = tf.stack([exact_total(kind, sources) for kind in KINDS])
     parts, position = [], {}  # position: entry -> where its NaN and Inf counts are in parts
     if packed:
-        parts.append(tf.concat(split_packed(tf.stack(list(packed.values()))), 0))
+        parts.append(tf.concat(_split_packed(tf.stack(list(packed.values()))), 0))
         position = {i: (p, len(packed) + p) for p, i in enumerate(packed)}
     offset = len(KINDS) * len(packed)
     for i, pair in unpacked.items():
@@ -310,7 +310,7 @@ def _packed_total_of(t: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(tf.where(is_nan(t), one, tf.where(is_inf(t), unit, zero)))
 
 
-def split_packed(totals: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def _split_packed(totals: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     """(NaN counts, Inf counts), float32, of packed totals (int64: each the NaN
     count plus ``2**32`` times the Inf count)."""
     low_bits = graph_constant(np.array(_INF_UNIT - 1, np.int64))

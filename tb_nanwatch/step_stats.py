@@ -554,21 +554,21 @@ class StatsBuilder:
         specs = self._sum_specs
         if not specs:
             return tf.zeros([0], tf.float32)
-        lazy = [i for i, s in enumerate(specs) if isinstance(s, LazyCount)]
         taken = [i for i, s in enumerate(specs) if isinstance(s, TakenCount)]
-        eager = [i for i, s in enumerate(specs) if i not in set(lazy + taken)]
         if taken:
             # Cast all at once; from here on they are eager values.
             specs = list(specs)
             values = tf.cast(tf.stack([specs[i].value for i in taken]), tf.float32)
             for i, value in zip(taken, tf.unstack(values), strict=True):
                 specs[i] = value
-            eager = sorted(eager + taken)
+        lazy = [i for i, s in enumerate(specs) if isinstance(s, LazyCount)]
+        eager = [i for i, s in enumerate(specs) if not isinstance(s, LazyCount)]
         if not lazy:
             return tf.stack([specs[i] for i in eager])
         # Under XLA the counts are computed a few entries at a time (see
-        # lazy_counts.counts_in_chunks). Computing every count in place
-        # instead made the compile of ResNet50 7x slower (bench/RESULTS.md).
+        # lazy_counts.counts_in_chunks). Computing every count in place, as
+        # reductions of its own, made the compile of ResNet50 7x slower
+        # (bench/RESULTS.md).
         if lazy_counts.in_xla():
             lazy_values = lazy_counts.counts_in_chunks(
                 [specs[i] for i in lazy], [self._sum_phases[i] for i in lazy]
