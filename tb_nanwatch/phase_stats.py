@@ -113,7 +113,7 @@ class PhaseStatistics:
         """
         builder = builder if builder is not None else step_stats.StatsBuilder()
         if builder.records_values:
-            grad_fields = [step_stats.gradient_fields([g]) for g in inputs.weight_grads]
+            grad_fields = step_stats.gradient_fields_each(inputs.weight_grads)
         else:
             grad_fields = [{} for _ in inputs.weight_grads]
         self.header(builder, inputs, grad_fields)
@@ -149,7 +149,7 @@ class PhaseStatistics:
             if note not in self.not_watched_inputs:
                 self.not_watched_inputs.append(note)
             return
-        fields = functools.partial(step_stats.tensor_fields, [watched])
+        fields = functools.partial(step_stats.tensor_fields, [watched], taken_extremes=True)
         builder.add("input", "input", name, tensor, fields)
 
     def forward(self, builder, inputs: StepInputs) -> None:
@@ -168,7 +168,7 @@ class PhaseStatistics:
         def fields_of(tensors: list) -> dict:
             key = tuple(id(t) for t in tensors)
             if key not in made:
-                made[key] = step_stats.tensor_fields(tensors)
+                made[key] = step_stats.tensor_fields(tensors, taken_extremes=True)
             return made[key]
 
         for call in inputs.trace.calls:
@@ -225,8 +225,13 @@ class PhaseStatistics:
     def update(self, builder, weights: list) -> None:
         """Each variable after the optimizer's update."""
         owners = self.taps.variable_owners()
-        for v in weights:
-            fields = functools.partial(_value_fields, v)
+
+        @functools.cache
+        def fields_of_all() -> list[dict]:
+            return step_stats.value_fields_each([tf.convert_to_tensor(v) for v in weights])
+
+        for index, v in enumerate(weights):
+            fields = functools.partial(_nth, fields_of_all, index)
             builder.add(
                 "update", "weights", owners.get(id(v)), f"{v.path} after the update", fields
             )
@@ -259,8 +264,8 @@ def _header_fields(inputs: StepInputs, grad_fields: list[dict]) -> dict:
     }
 
 
-def _value_fields(variable) -> dict:
-    return step_stats.value_fields(tf.convert_to_tensor(variable))
+def _nth(make_all, index: int) -> dict:
+    return make_all()[index]
 
 
 def _grads_per_call(inputs: StepInputs) -> list[tuple[Any, list, list]]:

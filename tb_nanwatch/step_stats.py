@@ -19,7 +19,11 @@ statistics are built from as few ops as possible, each one full pass at most:
 * Under XLA, which compiles every conditional's branch before the first
   step, a tensor's counts are instead one more result of the reduction that
   takes its statistic (:func:`counted_in_pass`): exact on every step, and
-  for the first step's compile only a few ops a tensor.
+  for the first step's compile only a few ops a tensor. What XLA compiles
+  is kept to few reductions and no scalar ops after them (each is a kernel
+  to compile): small gradients and weights of one size share a reduction
+  (:func:`_one_pass_each`), and an activation's min and max stay integer
+  keys until the builder converts all of them at once (:class:`TakenExtreme`).
 * The trigger is a value the entry computes anyway where possible: ``min +
   max`` of an activation (where this device's min/max propagate NaN, probed
   once; under XLA, whose float min/max may drop a NaN, they are taken over
@@ -29,11 +33,14 @@ statistics are built from as few ops as possible, each one full pass at most:
 * Reductions run in the tensor's own dtype (or its width's integer) where that
   is exact (min, max), so a float16 activation is not first copied to float32.
 * Gradients keep *half* sums of squares (``tf.nn.l2_loss``, one fused op;
-  under XLA on a CPU summed by rows of 4 first, see ``half_sum_squares``);
-  the factor 2 and the square root are applied once, to the packed vector.
+  under XLA halved inside the pass that counts them, else on a CPU summed
+  by rows of 4 first, see ``half_sum_squares``); the factor 2 and the square
+  root are applied once, to the packed vector.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import tensorflow as tf
@@ -150,8 +157,19 @@ def value_fields(t: tf.Tensor) -> dict:
         zero = tf.constant(0.0)
         return {"nan": zero, "inf": zero}
     if counted_in_pass(t):
-        return lazy_counts.taken_counts_of(*_one_pass(t, [], [], "counts"))
+        return lazy_counts.taken_counts_of(*_pass_over(t, "counts"))
     return lazy_counts.counts_of([t], lazy_counts.trigger(t))
+
+
+def value_fields_each(tensors: list[tf.Tensor]) -> list[dict]:
+    """:func:`value_fields` of each of ``tensors``; under XLA the small ones
+    of one size share a reduction (see :func:`_one_pass_each`)."""
+    taken = _unique([t for t in tensors if counted_in_pass(t)])
+    counts = dict(zip(map(id, taken), _one_pass_each(taken, "counts"), strict=True))
+    return [
+        lazy_counts.taken_counts_of(*counts[id(t)]) if id(t) in counts else value_fields(t)
+        for t in tensors
+    ]
 
 
 _HALF_SUMSQ_ATTR = "_nanwatch_half_sum_squares"
@@ -314,14 +332,50 @@ def counted_in_pass(t: tf.Tensor) -> bool:
     )
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class TakenExtreme:
+    """The least or the greatest key of a tensor (see :func:`_low_high_by_keys`),
+    taken already with its NaN count ``nan``. :class:`StatsBuilder` turns all
+    of a step's into float32 at once (:func:`extremes_as_floats`): XLA
+    compiles each scalar op after a reduction as a kernel of its own."""
+
+    key: tf.Tensor
+    dtype: tf.DType  # the float type whose bits ``key`` holds
+    nan: tf.Tensor  # int32
+
+
+def extremes_as_floats(extremes: list[TakenExtreme]) -> list[tf.Tensor]:
+    """The float32 value of each of ``extremes``, NaN where its tensor holds
+    a NaN (as TensorFlow's own min and max): a few vector ops for all."""
+    values: list = [None] * len(extremes)
+    by_dtype: dict[tf.DType, list[int]] = {}
+    for i, extreme in enumerate(extremes):
+        by_dtype.setdefault(extreme.dtype, []).append(i)
+    for dtype, indices in by_dtype.items():
+        keys = tf.stack([extremes[i].key for i in indices])
+        nans = tf.stack([extremes[i].nan for i in indices])
+        floats = _f32(_from_key(keys, dtype))
+        floats = tf.where(nans > 0, tf.constant(np.nan, tf.float32), floats)
+        for i, value in zip(indices, tf.unstack(floats), strict=True):
+            values[i] = value
+    return values
+
+
 def _fields_in_one_pass(tensors: list[tf.Tensor]) -> dict:
     """:func:`tensor_fields` of tensors :func:`counted_in_pass`: the least and
-    greatest key and the counts of each from one reduction."""
+    greatest key and the counts of each from one reduction; one tensor's
+    min and max as :class:`TakenExtreme`."""
+    if len(tensors) == 1:
+        low, high, nan, inf = _key_extremes_and_counts(tensors[0])
+        dtype = tensors[0].dtype
+        return {
+            **lazy_counts.taken_counts_of(nan, inf),
+            "min": TakenExtreme(low, dtype, nan),
+            "max": TakenExtreme(high, dtype, nan),
+        }
     pairs, nans, infs = zip(*[_extremes_and_counts(t) for t in tensors], strict=True)
-    pair = pairs[0]
-    if len(tensors) > 1:
-        stacked = tf.stack(pairs)
-        pair = tf.stack([tf.reduce_min(stacked[:, 0]), tf.reduce_max(stacked[:, 1])])
+    stacked = tf.stack(pairs)
+    pair = tf.stack([tf.reduce_min(stacked[:, 0]), tf.reduce_max(stacked[:, 1])])
     nan, inf = scalar_total(list(nans)), scalar_total(list(infs))
     # As TensorFlow's own min and max: both NaN when a tensor holds a NaN.
     pair = tf.where(nan > 0, lazy_counts.graph_constant(np.full([2], np.nan, np.float32)), pair)
@@ -333,14 +387,19 @@ def _extremes_and_counts(t: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]
     """([min, max] as float32, NaN count, Inf count) of ``t`` under XLA, from
     one reduction over its keys and its NaN and Inf flags (see
     :func:`_low_high_by_keys`; the counts are int32)."""
+    low, high, nan, inf = _key_extremes_and_counts(t)
+    # As a pair, so that each op after the reduction is made once, not twice.
+    return _f32(_from_key(tf.stack([low, high]), t.dtype)), nan, inf
+
+
+def _key_extremes_and_counts(t: tf.Tensor) -> list[tf.Tensor]:
+    """[least key, greatest key, NaN count, Inf count] of ``t``, one XLA reduction."""
     keys = _key(t)
     limits = np.iinfo(keys.dtype.as_numpy_dtype)
     inits = [
         lazy_counts.graph_constant(np.array(v, limits.dtype)) for v in (limits.max, limits.min)
     ]
-    low, high, nan, inf = _one_pass(t, [keys, keys], inits, "extremes")
-    # As a pair, so that each op after the reduction is made once, not twice.
-    return _f32(_from_key(tf.stack([low, high]), t.dtype)), nan, inf
+    return _one_pass(t, [keys, keys], inits, extremes=True)
 
 
 def _half_sum_squares_and_counts(t) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
@@ -351,59 +410,131 @@ def _half_sum_squares_and_counts(t) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         t = t.values
     cached = getattr(t, _HALF_SUMSQ_COUNTS_ATTR, None)
     if cached is None:
-        x = _f32(t)
-        zero = lazy_counts.graph_constant(np.array(0, np.float32))
-        total, nan, inf = _one_pass(t, [x * x], [zero], "squares")
-        cached = (0.5 * total, nan, inf)
-        try:
-            setattr(t, _HALF_SUMSQ_COUNTS_ATTR, cached)
-        except AttributeError:
-            pass
+        cached = _cache_half_sum_squares_and_counts(t, _pass_over(t, "squares"))
     return cached
 
 
 _HALF_SUMSQ_COUNTS_ATTR = "_nanwatch_half_sum_squares_and_counts"
 
 
-def _one_pass(t: tf.Tensor, operands: list, inits: list, what: str) -> list:
-    """One XLA reduction over ``operands`` (of ``t``'s shape) and ``t``'s
-    NaN and Inf flags, whose int32 counts are its last two results.
-    ``what``: ``"extremes"`` (a least and a greatest key first), ``"squares"``
-    (a sum first) or ``"counts"`` (nothing else)."""
+def _cache_half_sum_squares_and_counts(t: tf.Tensor, results: list) -> tuple:
+    """``results`` of a ``"squares"`` pass over ``t`` as (half sum of
+    squares, NaN count, Inf count), cached on ``t``."""
+    cached = tuple(results)
+    try:
+        setattr(t, _HALF_SUMSQ_COUNTS_ATTR, cached)
+    except AttributeError:
+        pass
+    return cached
+
+
+def _one_pass(t: tf.Tensor, operands: list, inits: list, extremes: bool = False) -> list:
+    """One XLA reduction over ``operands`` (of ``t``'s shape: summed, or with
+    ``extremes`` a least and a greatest key) and ``t``'s NaN and Inf flags,
+    whose int32 counts are its last two results."""
+    operands, inits = _with_counts(t, operands, inits)
+    reducer = _one_pass_reducer(extremes, tuple(o.dtype for o in operands))
+    return xla.variadic_reduce(operands, inits, list(range(t.shape.rank)), reducer)
+
+
+def _pass_over(t: tf.Tensor, what: str) -> list:
+    """:func:`_one_pass` of a gradient's half squares (``"squares"``) or of
+    a weight's counts alone (``"counts"``)."""
+    return _one_pass(t, *_head_of(t, what))
+
+
+def _head_of(t: tf.Tensor, what: str) -> tuple[list, list]:
+    """The operands (and their initial values) before the counts: for
+    ``"squares"`` the half squares (times 0.5 in the pass, exact: no scalar
+    op after it, each of which XLA compiles as a kernel of its own)."""
+    if what == "counts":
+        return [], []
+    x = _f32(t)
+    return [x * x * 0.5], [lazy_counts.graph_constant(np.array(0, np.float32))]
+
+
+def _with_counts(t: tf.Tensor, operands: list, inits: list) -> tuple[list, list]:
     zero = lazy_counts.graph_constant(np.array(0, np.int32))
-    operands = [*operands, *lazy_counts.nonfinite_flags(t)]
-    dtypes = tuple(o.dtype for o in operands)
-    axes = list(range(t.shape.rank))
-    reducer = _one_pass_reducer(what, dtypes)
-    return xla.variadic_reduce(operands, [*inits, zero, zero], axes, reducer)
+    return [*operands, *lazy_counts.nonfinite_flags(t)], [*inits, zero, zero]
 
 
-_ONE_PASS_REDUCERS: dict = {}  # the reducers of _one_pass, by what and dtypes
+# Under XLA, tensors of at most this many elements that share a size and a
+# dtype are reduced together, up to this many a reduction (see _one_pass_each).
+_TOGETHER_MAX_ELEMENTS = 16384
+_TOGETHER_MAX_TENSORS = 16
 
 
-def _one_pass_reducer(what: str, dtypes: tuple):
+def _one_pass_each(tensors: list[tf.Tensor], what: str) -> list[list[tf.Tensor]]:
+    """:func:`_pass_over` of each of ``tensors`` (all :func:`counted_in_pass`).
+
+    Small tensors of one size and dtype share one reduction, each read
+    flat as operands of its own (no copy): tf2xla takes about 5 ms to lower
+    each reduction (it compiles its reducer again every time), and XLA
+    compiles each as a kernel (bench/RESULTS.md, round 19).
+    """
+    results: dict[int, list[tf.Tensor]] = {}
+    groups: dict[tuple, list[tf.Tensor]] = {}
+    for t in tensors:
+        size = t.shape.num_elements()
+        if size <= _TOGETHER_MAX_ELEMENTS:
+            groups.setdefault((size, t.dtype), []).append(t)
+        else:
+            results[id(t)] = _pass_over(t, what)
+    for members in groups.values():
+        for start in range(0, len(members), _TOGETHER_MAX_TENSORS):
+            chunk = members[start : start + _TOGETHER_MAX_TENSORS]
+            for t, result in zip(chunk, _passes_together(chunk, what), strict=True):
+                results[id(t)] = result
+    return [results[id(t)] for t in tensors]
+
+
+def _passes_together(tensors: list[tf.Tensor], what: str) -> list[list[tf.Tensor]]:
+    """:func:`_pass_over` of each of ``tensors`` (one size, one dtype) from one reduction."""
+    if len(tensors) == 1:
+        return [_pass_over(tensors[0], what)]
+    operands, inits = [], []
+    for t in tensors:
+        flat = tf.reshape(t, [-1])
+        more, more_inits = _with_counts(flat, *_head_of(flat, what))
+        operands += more
+        inits += more_inits
+    reducer = _one_pass_reducer(False, tuple(o.dtype for o in operands))
+    results = xla.variadic_reduce(operands, inits, [0], reducer)
+    width = len(results) // len(tensors)
+    return [list(results[i : i + width]) for i in range(0, len(results), width)]
+
+
+_ONE_PASS_REDUCERS: dict = {}  # the reducers of _one_pass, by kind and dtypes
+
+
+def _one_pass_reducer(extremes: bool, dtypes: tuple):
     """The reducer of :func:`_one_pass`, traced once per process for each
-    ``what`` and operand dtypes."""
+    kind and operand dtypes: sums, or with ``extremes`` a least and a
+    greatest value first."""
     specs = [tf.TensorSpec([], d) for d in dtypes]
     n = len(specs)
 
     def reducer(*args):
         mine, other = args[:n], args[n:]
-        if what == "extremes":
-            head = [tf.minimum(mine[0], other[0]), tf.maximum(mine[1], other[1])]
-        elif what == "squares":
-            head = [mine[0] + other[0]]
-        else:
-            head = []
-        return (*head, mine[-2] + other[-2], mine[-1] + other[-1])
+        sums = [a + b for a, b in zip(mine, other, strict=True)]
+        if extremes:
+            return (tf.minimum(mine[0], other[0]), tf.maximum(mine[1], other[1]), *sums[2:])
+        return tuple(sums)
 
-    return lazy_counts.traced_once(_ONE_PASS_REDUCERS, (what, dtypes), reducer, *specs, *specs)
+    return lazy_counts.traced_once(_ONE_PASS_REDUCERS, (extremes, dtypes), reducer, *specs, *specs)
 
 
-def tensor_fields(tensors: list[tf.Tensor]) -> dict[str, tf.Tensor]:
-    """nan/inf counts, min and max over a list of tensors (float32)."""
+def tensor_fields(tensors: list[tf.Tensor], taken_extremes: bool = False) -> dict:
+    """nan/inf counts, min and max over a list of tensors (float32).
+
+    With ``taken_extremes``, for :class:`StatsBuilder`: under XLA, one
+    tensor's min and max may be :class:`TakenExtreme`.
+    """
     if tensors and all(counted_in_pass(t) for t in tensors):
-        return _fields_in_one_pass(tensors)
+        fields = _fields_in_one_pass(tensors)
+        if not taken_extremes and isinstance(fields["min"], TakenExtreme):
+            fields["min"], fields["max"] = extremes_as_floats([fields["min"], fields["max"]])
+        return fields
     pairs = [_low_high(t) for t in tensors]
     if len(pairs) == 1:
         low, high = pairs[0]
@@ -448,6 +579,22 @@ def gradient_fields(grads: list) -> dict[str, tf.Tensor]:
     # the trigger of the lazy counts, at no extra cost.
     norm = scalar_total(squares)
     return {**lazy_counts.transient_counts_of(grads, norm, hold_triggers=squares), "norm": norm}
+
+
+def gradient_fields_each(grads: list) -> list[dict[str, tf.Tensor]]:
+    """:func:`gradient_fields` of each of ``grads`` alone; under XLA the
+    small ones of one size share a reduction (see :func:`_one_pass_each`)."""
+    dense = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+    fresh = _unique(
+        [
+            g
+            for g in dense
+            if counted_in_pass(g) and getattr(g, _HALF_SUMSQ_COUNTS_ATTR, None) is None
+        ]
+    )
+    for g, results in zip(fresh, _one_pass_each(fresh, "squares"), strict=True):
+        _cache_half_sum_squares_and_counts(g, results)
+    return [gradient_fields([g]) for g in grads]
 
 
 class SchemaOnlyBuilder:
@@ -502,7 +649,8 @@ class StatsBuilder:
                 self._sum_specs.append(value if counted else _f32(value))
                 self._sum_phases.append(phase)
             else:
-                self._partials[group].append(_f32(value))
+                taken = isinstance(value, TakenExtreme)
+                self._partials[group].append(value if taken else _f32(value))
         if kind != "header":
             self._count_slots.append((slots["nan"], slots["inf"]))
 
@@ -586,8 +734,21 @@ class StatsBuilder:
 
         return _in_slot_order(specs, eager, lazy, rare_cond(maybe_nonfinite, exact, clean))
 
+    def _convert_taken_extremes(self) -> None:
+        """Every :class:`TakenExtreme` partial as its float32 value, all at once."""
+        places = [
+            (group, i)
+            for group in ("min", "max")
+            for i, value in enumerate(self._partials[group])
+            if isinstance(value, TakenExtreme)
+        ]
+        extremes = [self._partials[group][i] for group, i in places]
+        for (group, i), value in zip(places, extremes_as_floats(extremes), strict=True):
+            self._partials[group][i] = value
+
     def vector(self) -> tf.Tensor:
         """The packed float32 vector, reduced across replicas when needed."""
+        self._convert_taken_extremes()
         sums = self._sum_vector()
         replicas = replicas_in_sync()
         if replicas == 1:

@@ -642,6 +642,88 @@ def test_xla_takes_each_count_in_the_pass_of_its_statistic(dtype):
     assert not {"If", "StatelessIf"} & set(ops)  # no conditional: the counts are taken
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_xla_reduces_small_tensors_of_one_size_together(dtype):
+    # Under XLA, small gradients (and weights) of one size and dtype share one
+    # reduction, each read as operands of its own, at most 16 a reduction:
+    # tf2xla lowers each reduction in about 5 ms. Each still gets its own
+    # half sum of squares and counts, whatever its shape and wherever its NaN.
+    rng = np.random.default_rng(1)
+    shapes = [(4, 9), (36,), (6, 6), (2, 18), (11,), (130, 130)] + [(5,)] * 18
+    arrays = [rng.standard_normal(shape) for shape in shapes]
+    arrays[1][7], arrays[2][5, 5], arrays[2][0, 1] = np.nan, np.inf, -np.nan
+    arrays[3][1, 17], arrays[5][3, 3], arrays[20][4] = -np.inf, np.nan, np.inf
+    tensors = [tf.cast(tf.constant(a), dtype) for a in arrays]
+    exact = [t.numpy().astype(np.float64) for t in tensors]
+    ops = []
+
+    @tf.function(jit_compile=True, autograph=False)
+    def fields(*tensors):
+        grads = [*tensors[:3], None, tensors[0], tf.IndexedSlices(tensors[3], [0, 1]), *tensors[4:]]
+        entries = step_stats.gradient_fields_each(grads)
+        entries += step_stats.value_fields_each(list(tensors))
+        ops.extend(op.type for op in tf.compat.v1.get_default_graph().get_operations())
+        out = []
+        for f in entries:
+            out += [f[name] for name in ("norm",) if name in f]
+            out += [step_stats.exact(f[kind]) for kind in lazy_counts.KINDS]
+        return tf.stack(out)
+
+    got = fields(*tensors).numpy()
+    grads = [*exact[:3], None, exact[0], *exact[3:]]
+    want = []
+    for a in grads:
+        if a is None:
+            want += [0.0, 0.0, 0.0]
+            continue
+        want += [0.5 * np.sum(a**2), np.isnan(a).sum(), np.isinf(a).sum()]
+    for a in exact:
+        want += [np.isnan(a).sum(), np.isinf(a).sum()]
+    np.testing.assert_allclose(
+        got, np.array(want, np.float32), rtol=2e-3 if dtype == "float16" else 1e-5
+    )
+    # Sizes 36 (four tensors), 11, 16900 and 5 (eighteen: 16 + 2), for the
+    # gradients and again for the weights.
+    assert ops.count("XlaVariadicReduceV2") == 2 * 5
+
+
+def test_the_builder_turns_taken_extremes_into_floats_all_at_once():
+    # Under XLA an activation's min and max reach the statistics builder as
+    # the keys of its one reduction; the builder converts all of a step's
+    # together, per dtype: a scalar op after each reduction would be a kernel
+    # of its own for XLA to compile.
+    rng = np.random.default_rng(2)
+    arrays = [rng.standard_normal((3, 4 + i)) for i in range(6)]
+    arrays[1][0, 0], arrays[2][2, 1], arrays[4][1, 1] = np.nan, -np.inf, np.inf
+    dtypes = ["float16", "float32", "float32", "float16", "float32", "float64"]
+    tensors = [tf.cast(tf.constant(a), d) for a, d in zip(arrays, dtypes, strict=True)]
+    exact = [t.numpy().astype(np.float64) for t in tensors]
+    ops, schemas = [], []
+
+    @tf.function(jit_compile=True, autograph=False)
+    def vector(*tensors):
+        builder = step_stats.StatsBuilder()
+        for i, t in enumerate(tensors):
+            fields = step_stats.tensor_fields([t], taken_extremes=True)
+            assert isinstance(fields["min"], step_stats.TakenExtreme)
+            builder.add("forward", "activation", f"layer{i}", f"output of layer{i}", fields)
+        out = builder.vector()
+        ops.extend(op.type for op in tf.compat.v1.get_default_graph().get_operations())
+        schemas.append(builder.schema)
+        return out
+
+    got = vector(*tensors).numpy()
+    schema = schemas[0]
+    for entry, a in zip(schema.find(kind="activation"), exact, strict=True):
+        values = schema.values(got, entry)
+        extremes = [np.nan] * 2 if np.isnan(a).any() else [a.min(), a.max()]
+        want = [*extremes, np.isnan(a).sum(), np.isinf(a).sum()]
+        got_entry = [values[name] for name in ("min", "max", "nan", "inf")]
+        np.testing.assert_array_equal(np.array(got_entry, np.float32), np.array(want, np.float32))
+    # A key a tensor, then one conversion back a dtype (three dtypes here).
+    assert ops.count("Bitcast") == len(tensors) + 3
+
+
 def test_the_may_be_non_finite_test_is_not_copied_into_each_of_its_users():
     # The pre-step weight copy has a select a weight on whether any count so
     # far is not 0. XLA copies a cheap producer into each of its users: the
