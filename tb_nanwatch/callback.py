@@ -109,6 +109,9 @@ class NanWatch(keras.callbacks.Callback):
         self._recorder: StepRecorder | None = None
         self._session: WatchSession | None = None
         self._siblings: list = []
+        # (what the compiled step was built from, its recorder, the train
+        # function): a later fit of the same model reuses them.
+        self._compiled: tuple | None = None
 
     @property
     def incident(self) -> dict | None:
@@ -129,9 +132,13 @@ class NanWatch(keras.callbacks.Callback):
                 "model must be compiled with an optimizer before fit() with NanWatch "
                 "(call model.compile(optimizer=..., loss=...))"
             )
-        if self._session is not None:  # crash safety: the previous fit raised and
-            self._session.close("raised")  # Keras skipped on_train_end; see crash_safety
-        self._session = None
+        previous, self._session = self._session, None
+        if previous is not None:
+            # Closed already, unless the previous fit raised and Keras skipped
+            # on_train_end (see crash_safety).
+            previous.close("raised")
+            if previous.disabled or self._recorder.trace_error is not None:
+                self._compiled = None  # a failed watcher starts afresh
         if train_step.overrides_train_step(model):
             warn_stopped_watching(
                 f"{type(model).__name__} overrides train_step, which NanWatch cannot "
@@ -141,11 +148,19 @@ class NanWatch(keras.callbacks.Callback):
             return
         self._siblings = _sibling_callbacks(self)
         try:
-            self._recorder = StepRecorder(
-                model,
-                steps_per_execution=getattr(model, "steps_per_execution", 1) or 1,
-                pre_step_weights=self.options.pre_step_weights,
-            )
+            built_from = _compiled_step_sources(model)
+            kept = self._compiled
+            self._compiled = None
+            if kept is not None and _same_sources(kept[0], built_from):
+                self._recorder, compiled = kept[1], kept[2]
+                self._recorder.device.start_over()
+            else:
+                compiled = None
+                self._recorder = StepRecorder(
+                    model,
+                    steps_per_execution=getattr(model, "steps_per_execution", 1) or 1,
+                    pre_step_weights=self.options.pre_step_weights,
+                )
             self._recorder.install()
             run_info = base_run_info(self._recorder, model, model.optimizer, self.options)
             self._session = WatchSession(
@@ -156,7 +171,8 @@ class NanWatch(keras.callbacks.Callback):
                 self._restore_model,
                 self._placement,
             )
-            train_step.instrument(model, self._recorder)
+            compiled = train_step.instrument(model, self._recorder, compiled)
+            self._compiled = (built_from, self._recorder, compiled)
         except Exception as error:  # noqa: BLE001 - never break the user's fit
             self._restore_model()
             warn_stopped_watching(f"could not instrument the train step: {error!r}")
@@ -202,6 +218,28 @@ class NanWatch(keras.callbacks.Callback):
         train_step.restore(self.model)
         if self._recorder is not None:
             self._recorder.uninstall()
+
+
+def _compiled_step_sources(model: keras.Model) -> tuple:
+    """What the compiled train step is built from: a later ``fit`` reuses it
+    while each is the same (``compile`` makes a new loss and metrics, a
+    change of ``trainable`` new trainable weights)."""
+    return (
+        model.optimizer,
+        getattr(model, "_compile_loss", None),
+        getattr(model, "_compile_metrics", None),
+        *model.trainable_weights,
+        bool(getattr(model, "jit_compile", False)),
+        getattr(model, "steps_per_execution", 1),
+        bool(getattr(model, "run_eagerly", False)),
+        getattr(model, "distribute_strategy", None),
+    )
+
+
+def _same_sources(before: tuple, now: tuple) -> bool:
+    return len(before) == len(now) and all(
+        a is b or (isinstance(a, (bool, int)) and a == b) for a, b in zip(before, now, strict=True)
+    )
 
 
 def _sibling_callbacks(callback: keras.callbacks.Callback) -> list:

@@ -145,6 +145,17 @@ class DeviceRecord:
                 tf.logical_and(maybe_nonfinite(), capturing), copy, lambda: tf.constant(False)
             )
 
+    def start_over(self) -> None:
+        """Back to the state of a new run, for a compiled step that a later
+        ``fit`` reuses: no step counted, nothing captured, an empty buffer."""
+        kept = (self._buffer, self._step_count, self._batch_of, self._incident_captured)
+        for var in (*kept, self._pre_step_copies_of):
+            if var is not None:
+                for local in _locals(var):
+                    local.assign(tf.zeros(local.shape, local.dtype))
+        self._last_seq = 0
+        self._handed_row = None
+
     def write_row(
         self, schema: Schema, vector: tf.Tensor, replica_first_nonfinite, batch: list
     ) -> tf.Tensor:

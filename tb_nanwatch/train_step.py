@@ -14,6 +14,8 @@ logs or any callback.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import keras
 import tensorflow as tf
 
@@ -34,11 +36,19 @@ def overrides_train_step(model: keras.Model) -> bool:
     return type(model).train_step is not TensorFlowTrainer.train_step
 
 
-def instrument(model: keras.Model, recorder: StepRecorder) -> None:
-    """Makes ``model``'s train function run the recorded train step."""
+def instrument(model: keras.Model, recorder: StepRecorder, compiled: Callable | None = None):
+    """Makes ``model``'s train function run the recorded train step; returns it.
+
+    ``compiled``: what an earlier call returned for the same recorder and
+    the model unchanged since, reused as is: a later ``fit`` neither traces
+    nor compiles the step again.
+    """
     object.__setattr__(model, "train_step", lambda data: recorded_train_step(recorder, data))
-    model.make_train_function(force=True)
-    model.train_function = _handing_over(model.train_function, recorder.device)
+    if compiled is None:
+        model.make_train_function(force=True)
+        compiled = _handing_over(model.train_function, recorder.device)
+    model.train_function = compiled
+    return compiled
 
 
 def restore(model: keras.Model | None) -> None:

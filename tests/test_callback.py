@@ -111,6 +111,97 @@ def test_repro_bundle_holds_batch_and_pre_step_weights(tmp_path):
     assert not np.isfinite(model.get_layer("encode").kernel.numpy()).all()
 
 
+def _counting_traces(monkeypatch) -> list:
+    """A list that grows by one each time the recorded train step is traced."""
+    from tb_nanwatch import train_step
+
+    traces, real = [], train_step.recorded_train_step
+
+    def counted(recorder, data):
+        traces.append(1)
+        return real(recorder, data)
+
+    monkeypatch.setattr(train_step, "recorded_train_step", counted)
+    return traces
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_later_fit_reuses_the_compiled_step_and_records_its_own_steps(
+    tmp_path, monkeypatch, jit_compile
+):
+    # Each later fit of the same model (a new stage of the run) runs the step
+    # the first fit traced and compiled: re-tracing it cost every fit a whole
+    # first step again (an XLA MLP's 3 s). It still counts its steps from 0 and
+    # captures its own incident, batch and pre-step weights.
+    traces = _counting_traces(monkeypatch)
+    keras.utils.set_random_seed(0)
+    model, kwargs, truth = scenarios.backward_sqrt_zero()
+    model.compile(optimizer=model.optimizer, loss=model.loss, jit_compile=jit_compile)
+    rows = 3 * scenarios.BATCH
+    healthy = dict(kwargs, x=kwargs["x"][:rows], y=kwargs["y"][:rows])
+    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    model.fit(**healthy, callbacks=[watch], verbose=0)
+    traced = len(traces)
+    assert traced >= 1 and watch.incident is None and watch.journal.steps == 3
+    model.fit(**healthy, callbacks=[watch], verbose=0)
+    assert watch.incident is None and watch.journal.steps == 3
+    model.fit(**kwargs, callbacks=[watch], verbose=0)
+    assert len(traces) == traced  # neither later fit traced the step
+    assert origin(watch.incident) == truth
+    assert watch.journal.steps == truth["step"] + 1
+    bundle = tb_nanwatch.load_bundle(str(tmp_path / "stage_3"))
+    assert bundle.step == truth["step"] and bundle.info["exact"]
+    assert (bundle.x[1] == 0).all()
+    assert all(np.isfinite(w).all() for w in bundle.weights.values())
+    if jit_compile:
+        assert watch.journal.run_info["jit_compile"] is True
+
+
+def test_a_fit_after_compile_traces_the_step_again(tmp_path, monkeypatch):
+    # compile() makes a new loss (and here a new optimizer): the step compiled
+    # before no longer computes what fit asks for, so it is traced again.
+    traces = _counting_traces(monkeypatch)
+    keras.utils.set_random_seed(0)
+    model, kwargs, truth = scenarios.backward_sqrt_zero()
+    rows = 3 * scenarios.BATCH
+    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    model.fit(
+        **dict(kwargs, x=kwargs["x"][:rows], y=kwargs["y"][:rows]), callbacks=[watch], verbose=0
+    )
+    traced = len(traces)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    model.fit(**kwargs, callbacks=[watch], verbose=0)
+    assert len(traces) > traced
+    assert origin(watch.incident) == truth
+
+
+def test_a_fit_after_the_watcher_failed_starts_afresh(tmp_path, monkeypatch):
+    # A fit whose recording failed (the watcher disabled itself) leaves nothing
+    # to reuse: the next fit traces the step again and records.
+    from tb_nanwatch import journal
+
+    traces = _counting_traces(monkeypatch)
+    record_step, failing = journal.RunJournal._record_step, [True]
+
+    def maybe_broken(self, step, *args):
+        if failing[0]:
+            raise RuntimeError("boom")
+        return record_step(self, step, *args)
+
+    monkeypatch.setattr(journal.RunJournal, "_record_step", maybe_broken)
+    keras.utils.set_random_seed(0)
+    model, kwargs, _ = scenarios.healthy_small()
+    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        model.fit(**kwargs, callbacks=[watch], verbose=0)
+    traced = len(traces)
+    failing[0] = False
+    model.fit(**kwargs, callbacks=[watch], verbose=0)
+    assert len(traces) > traced
+    assert watch.journal.steps == len(kwargs["x"]) // scenarios.BATCH
+
+
 def test_stop_keeps_backup_and_restore_state(tmp_path):
     backup_dir = tmp_path / "backup"
     keras.utils.set_random_seed(0)
