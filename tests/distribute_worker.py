@@ -128,6 +128,37 @@ def _custom_loop(log_dir, strategy, per_worker_data):
     }
 
 
+def _later_fit(log_dir, strategy):
+    """Two fits of one model under ``strategy`` with one NanWatch: the first on
+    healthy steps, the second (stage 2) reuses its compiled step."""
+    import scenarios
+    from nanwatch_testlib import traced_graphs
+
+    import tb_nanwatch
+
+    with strategy.scope():
+        model, kwargs, _ = scenarios.ratio_multi_io()
+    rows = 4 * scenarios.BATCH
+    healthy = {
+        **kwargs,
+        "x": tf.nest.map_structure(lambda a: a[:rows], kwargs["x"]),
+        "y": tf.nest.map_structure(lambda a: a[:rows], kwargs["y"]),
+    }
+    watch = tb_nanwatch.NanWatch(log_dir)
+    with traced_graphs() as graphs:
+        model.fit(**healthy, callbacks=[watch], verbose=0)
+        healthy_incident = watch.incident
+        model.fit(**kwargs, callbacks=[watch], verbose=0)
+    bundle = tb_nanwatch.load_bundle(os.path.join(log_dir, "stage_2"))
+    return {
+        "healthy_incident": healthy_incident,
+        "incident": watch.incident,
+        "steps": watch.journal.steps,
+        "traces": len({id(g) for g in graphs}),
+        "bundle_info": {k: bundle.info[k] for k in ("batch_of_step", "exact")},
+    }
+
+
 def mirrored(out, log_dir):
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -136,6 +167,7 @@ def mirrored(out, log_dir):
     result = {"single": _fit(os.path.join(log_dir, "single"))}
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     result["mirrored"] = _fit(os.path.join(log_dir, "mirrored"), strategy)
+    result["mirrored_later_fit"] = _later_fit(os.path.join(log_dir, "later"), strategy)
 
     def data(_pipeline):
         return scenarios.ratio_data(ZERO_STEP, STEPS)

@@ -90,6 +90,18 @@ def test_bundle_holds_every_replica_shard_of_the_exact_step(mirrored):
     assert multi["bundle_den"][5] == 0.0
 
 
+def test_a_later_fit_under_the_strategy_reuses_the_step_and_finds_the_origin(mirrored):
+    # The second fit (stage 2) runs the step the first traced; every
+    # replica's record starts over, so its step numbers, incident and
+    # bundle are its own.
+    later = mirrored["mirrored_later_fit"]
+    assert later["healthy_incident"] is None
+    assert later["traces"] == 1
+    assert origin(later["incident"]) == ORIGIN
+    assert later["steps"] == ORIGIN["step"] + 1
+    assert later["bundle_info"] == {"batch_of_step": ORIGIN["step"], "exact": True}
+
+
 def test_custom_loop_under_mirrored_strategy(mirrored):
     loop = mirrored["mirrored_custom_loop"]
     assert origin(loop["incident"]) == ORIGIN
