@@ -355,7 +355,8 @@ def extremes_as_floats(extremes: list[TakenExtreme]) -> list[tf.Tensor]:
         keys = tf.stack([extremes[i].key for i in indices])
         nans = tf.stack([extremes[i].nan for i in indices])
         floats = _f32(_from_key(keys, dtype))
-        floats = tf.where(nans > 0, tf.constant(np.nan, tf.float32), floats)
+        nan = lazy_counts.graph_constant(np.array(np.nan, np.float32))
+        floats = tf.where(nans > 0, nan, floats)
         for i, value in zip(indices, tf.unstack(floats), strict=True):
             values[i] = value
     return values
