@@ -224,7 +224,7 @@ def _chunk_counts(entries: list[LazyCount]) -> tf.Tensor:
             start += size
         return _counts_unless_finite(triggers, grouped)
 
-    key = (_signature(triggers), _signature(sources), sizes, in_xla())
+    key = (signature(triggers), signature(sources), sizes, in_xla())
     return traced_once(_CHUNK_FUNCTIONS, key, chunk, triggers, sources)(triggers, sources)
 
 
@@ -240,7 +240,7 @@ def _counts_unless_finite(triggers: list, entries: list) -> tf.Tensor:
     return tf.cond(finite, clean, exact)
 
 
-def _signature(tensors: list) -> tuple:
+def signature(tensors: list) -> tuple:
     """The dtypes and (static) shapes of ``tensors``: what a traced function is specialized to."""
     return tuple(
         (t.dtype.name, tuple(t.shape.as_list()) if t.shape.rank is not None else None)
@@ -301,7 +301,7 @@ def _packed_total_function(t: tf.Tensor):
     function traced once per process: the step calls it (one op) instead of
     building its ops again for every counted tensor (a transformer counts
     ~220, most of a few shapes), and XLA converts it once per shape."""
-    key = (_signature([t]), in_xla())
+    key = (signature([t]), in_xla())
     return traced_once(_PACKED_TOTAL_FUNCTIONS, key, _packed_total_of, t)
 
 

@@ -24,6 +24,8 @@ statistics are built from as few ops as possible, each one full pass at most:
   to compile): small gradients and weights of one size share a reduction
   (:func:`_one_pass_each`), and an activation's min and max stay integer
   keys until the builder converts all of them at once (:class:`TakenExtreme`).
+  tf2xla lowers the reductions of one kind and signature once
+  (:func:`_lowered_once`).
 * The trigger is a value the entry computes anyway where possible: ``min +
   max`` of an activation (where this device's min/max propagate NaN, probed
   once; under XLA, whose float min/max may drop a NaN, they are taken over
@@ -45,6 +47,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.ops import gen_functional_ops
 
 from tb_nanwatch import lazy_counts
 from tb_nanwatch.lazy_counts import LazyCount, TakenCount, scalar_total
@@ -395,6 +398,11 @@ def _extremes_and_counts(t: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]
 
 def _key_extremes_and_counts(t: tf.Tensor) -> list[tf.Tensor]:
     """[least key, greatest key, NaN count, Inf count] of ``t``, one XLA reduction."""
+    return _lowered_once("extremes", _build_key_extremes_and_counts, [t])
+
+
+def _build_key_extremes_and_counts(tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+    t = tensors[0]
     keys = _key(t)
     limits = np.iinfo(keys.dtype.as_numpy_dtype)
     inits = [
@@ -441,7 +449,9 @@ def _one_pass(t: tf.Tensor, operands: list, inits: list, extremes: bool = False)
 def _pass_over(t: tf.Tensor, what: str) -> list:
     """:func:`_one_pass` of a gradient's half squares (``"squares"``) or of
     a weight's counts alone (``"counts"``)."""
-    return _one_pass(t, *_head_of(t, what))
+    return _lowered_once(
+        what, lambda tensors: _one_pass(tensors[0], *_head_of(tensors[0], what)), [t]
+    )
 
 
 def _head_of(t: tf.Tensor, what: str) -> tuple[list, list]:
@@ -469,9 +479,9 @@ def _one_pass_each(tensors: list[tf.Tensor], what: str) -> list[list[tf.Tensor]]
     """:func:`_pass_over` of each of ``tensors`` (all :func:`counted_in_pass`).
 
     Small tensors of one size and dtype share one reduction, each read
-    flat as operands of its own (no copy): tf2xla takes about 5 ms to lower
-    each reduction (it compiles its reducer again every time), and XLA
-    compiles each as a kernel (bench/RESULTS.md, round 19).
+    flat as operands of its own (no copy): XLA compiles each reduction as a
+    kernel, and tf2xla lowers each signature's once (see :func:`_lowered_once`;
+    bench/RESULTS.md, rounds 19 and 20).
     """
     results: dict[int, list[tf.Tensor]] = {}
     groups: dict[tuple, list[tf.Tensor]] = {}
@@ -493,6 +503,12 @@ def _passes_together(tensors: list[tf.Tensor], what: str) -> list[list[tf.Tensor
     """:func:`_pass_over` of each of ``tensors`` (one size, one dtype) from one reduction."""
     if len(tensors) == 1:
         return [_pass_over(tensors[0], what)]
+    results = _lowered_once(f"{what} together", lambda ts: _reduce_together(ts, what), tensors)
+    width = len(results) // len(tensors)
+    return [list(results[i : i + width]) for i in range(0, len(results), width)]
+
+
+def _reduce_together(tensors: list[tf.Tensor], what: str) -> list[tf.Tensor]:
     operands, inits = [], []
     for t in tensors:
         flat = tf.reshape(t, [-1])
@@ -500,9 +516,39 @@ def _passes_together(tensors: list[tf.Tensor], what: str) -> list[list[tf.Tensor
         operands += more
         inits += more_inits
     reducer = _one_pass_reducer(False, tuple(o.dtype for o in operands))
-    results = xla.variadic_reduce(operands, inits, [0], reducer)
-    width = len(results) // len(tensors)
-    return [list(results[i : i + width]) for i in range(0, len(results), width)]
+    return xla.variadic_reduce(operands, inits, [0], reducer)
+
+
+_LOWERED_ONCE: dict = {}  # the functions of _lowered_once, by kind and signature
+
+
+def _lowered_once(kind: str, build, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+    """``build(tensors)``, a list of tensors, from a function made once per
+    process for each ``kind`` and signature of ``tensors``.
+
+    tf2xla lowers every ``XlaVariadicReduceV2`` through an MLIR pipeline of
+    its own, about 5 ms each, and a called function's body again at every
+    call; but it compiles a conditional's branch once per branch function and
+    argument shapes. So the function is both branches of a conditional on a
+    constant: one lowering for all the tensors of a signature, and XLA's
+    conditional simplifier then takes the conditional away, so the optimized
+    step is the same (bench/RESULTS.md, round 20).
+    """
+    key = (kind, lazy_counts.signature(tensors))
+    function = lazy_counts.traced_once(
+        _LOWERED_ONCE, key, lambda *args: tuple(build(list(args))), *tensors
+    )
+    function.add_to_graph(tf.compat.v1.get_default_graph())  # once a graph: it checks
+    return list(
+        gen_functional_ops.stateless_if(
+            cond=lazy_counts.graph_constant(np.array(True)),
+            input=tensors,
+            Tout=[t.dtype for t in function.outputs],
+            then_branch=function.name,
+            else_branch=function.name,
+            output_shapes=[t.shape for t in function.outputs],
+        )
+    )
 
 
 _ONE_PASS_REDUCERS: dict = {}  # the reducers of _one_pass, by kind and dtypes

@@ -388,3 +388,43 @@ def traced_graphs():
         yield graphs
     finally:
         train_step.recorded_train_step = traced
+
+
+_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+_CONDITIONALS = ("If", "StatelessIf")
+
+
+def op_types_run(graph) -> list[str]:
+    """The op type of every op of ``graph``, where a call of a function and a
+    conditional on a constant (``step_stats._lowered_once``, which XLA takes
+    away) count as the ops of the function they run, recursively."""
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+
+    def in_function(name: str) -> list[str]:
+        nodes = {n.name: n for n in library[name].node_def}
+        types: list[str] = []
+        for node in nodes.values():
+            pred = nodes.get(node.input[0].split(":")[0]) if node.input else None
+            called = _runs(
+                node.op,
+                lambda attr, node=node: node.attr[attr].func.name,
+                pred is not None and pred.op == "Const",
+            )
+            types += in_function(called) if called in library else [node.op]
+        return types
+
+    types: list[str] = []
+    for op in graph.get_operations():
+        constant = bool(op.inputs) and op.inputs[0].op.type == "Const"
+        called = _runs(op.type, lambda attr, op=op: op.get_attr(attr).name, constant)
+        types += in_function(called) if called in library else [op.type]
+    return types
+
+
+def _runs(op_type: str, function_attr, first_input_is_constant: bool) -> str | None:
+    """The function an op runs in full: a call's, or a constant conditional's branch."""
+    if op_type in _CALLS:
+        return function_attr("f")
+    if op_type in _CONDITIONALS and first_input_is_constant:
+        return function_attr("then_branch")
+    return None

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scenarios
 import tensorflow as tf
-from nanwatch_testlib import is_chunk_call, traced_graphs
+from nanwatch_testlib import is_chunk_call, op_types_run, traced_graphs
 from scenarios import fit, origin
 
 import tb_nanwatch
@@ -400,9 +400,7 @@ def test_min_and_max_agree_with_numpy_in_and_out_of_xla(jit_compile, dtype):
         out = tf.stack(step_stats._low_high(t))
         graph = tf.compat.v1.get_default_graph()
         kinds = ("Min", "Max", "XlaVariadicReduceV2")
-        reductions.append(
-            tuple(sorted(op.type for op in graph.get_operations() if op.type in kinds))
-        )
+        reductions.append(tuple(sorted(t for t in op_types_run(graph) if t in kinds)))
         return out
 
     traced = {}  # one function a shape
@@ -621,7 +619,7 @@ def test_xla_takes_each_count_in_the_pass_of_its_statistic(dtype):
         entries = [step_stats.tensor_fields([act]), step_stats.tensor_fields([act_inf])]
         entries += [step_stats.gradient_fields([g]) for g in (grad, w1, w2, big)]
         entries += [step_stats.value_fields(w) for w in (w1, w2, big, w3)]
-        ops.extend(op.type for op in tf.compat.v1.get_default_graph().get_operations())
+        ops.extend(op_types_run(tf.compat.v1.get_default_graph()))
         out = []
         for f in entries:
             out += [f[name] for name in ("min", "max", "norm") if name in f]
@@ -640,6 +638,48 @@ def test_xla_takes_each_count_in_the_pass_of_its_statistic(dtype):
     np.testing.assert_allclose(got, np.array(want, np.float32), rtol=1e-5)
     assert ops.count("XlaVariadicReduceV2") == 10  # one a tensor; only XLA has a kernel for it
     assert not {"If", "StatelessIf"} & set(ops)  # no conditional: the counts are taken
+    assert " conditional(" not in fields.experimental_get_compiler_ir(*tensors)("optimized_hlo")
+
+
+def test_xla_lowers_the_reductions_of_one_signature_once():
+    # tf2xla lowers each XlaVariadicReduceV2 in about 5 ms and a called
+    # function's body at every call, but a conditional's branch once per
+    # function and argument shapes. Every tensor of one kind and signature
+    # runs the same function, as both branches of a conditional on a constant,
+    # which XLA then takes away.
+    rng = np.random.default_rng(3)
+    shapes = [(40, 30), (7, 5), (40, 30), (40, 30), (7, 5), (9, 3, 2)]
+    arrays = [rng.standard_normal(shape) for shape in shapes]
+    arrays[2][5, 5], arrays[4][0, 0], arrays[5][8, 2, 1] = np.nan, -np.inf, np.inf
+    tensors = [tf.constant(a, tf.float32) for a in arrays]
+    exact = [t.numpy().astype(np.float64) for t in tensors]
+    ifs = []
+
+    @tf.function(jit_compile=True, autograph=False)
+    def fields(*tensors):
+        entries = [step_stats.gradient_fields([t]) for t in tensors]
+        entries += [step_stats.tensor_fields([t]) for t in tensors]
+        graph = tf.compat.v1.get_default_graph()
+        ifs.extend(op for op in graph.get_operations() if op.type in ("If", "StatelessIf"))
+        return tf.stack(
+            [f[name] for f in entries for name in ("norm", "min", "max") if name in f]
+            + [step_stats.exact(f[kind]) for f in entries for kind in lazy_counts.KINDS]
+        )
+
+    got = fields(*tensors).numpy()
+    norms = [0.5 * np.sum(a**2) for a in exact]
+    extremes = [
+        v for a in exact for v in ([np.nan] * 2 if np.isnan(a).any() else [a.min(), a.max()])
+    ]
+    counts = [f(a).sum() for a in exact + exact for f in (np.isnan, np.isinf)]
+    np.testing.assert_allclose(got, np.array(norms + extremes + counts, np.float32), rtol=1e-5)
+    # One conditional a tensor and kind, on a constant; one function a kind and signature.
+    assert len(ifs) == 2 * len(tensors)
+    assert all(op.inputs[0].op.type == "Const" for op in ifs)
+    branches = {(op.get_attr("then_branch").name, op.get_attr("else_branch").name) for op in ifs}
+    assert all(then == other for then, other in branches)
+    assert len(branches) == 2 * len(set(shapes))
+    assert " conditional(" not in fields.experimental_get_compiler_ir(*tensors)("optimized_hlo")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
@@ -662,7 +702,7 @@ def test_xla_reduces_small_tensors_of_one_size_together(dtype):
         grads = [*tensors[:3], None, tensors[0], tf.IndexedSlices(tensors[3], [0, 1]), *tensors[4:]]
         entries = step_stats.gradient_fields_each(grads)
         entries += step_stats.value_fields_each(list(tensors))
-        ops.extend(op.type for op in tf.compat.v1.get_default_graph().get_operations())
+        ops.extend(op_types_run(tf.compat.v1.get_default_graph()))
         out = []
         for f in entries:
             out += [f[name] for name in ("norm",) if name in f]
@@ -708,7 +748,7 @@ def test_the_builder_turns_taken_extremes_into_floats_all_at_once():
             assert isinstance(fields["min"], step_stats.TakenExtreme)
             builder.add("forward", "activation", f"layer{i}", f"output of layer{i}", fields)
         out = builder.vector()
-        ops.extend(op.type for op in tf.compat.v1.get_default_graph().get_operations())
+        ops.extend(op_types_run(tf.compat.v1.get_default_graph()))
         schemas.append(builder.schema)
         return out
 
