@@ -24,15 +24,15 @@ compile in the log the row says so.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import realistic  # noqa: E402
+
 PHASES = ("tf2xla_s", "hlo_s", "backend_s", "compile_s", "outside_s")
 # What TensorFlow logs at these verbosities (TF_CPP_VMODULE), by the file that logs it.
 _VMODULE = "device_compiler=2,xla_compiler=1,cpu_compiler=1"
@@ -103,19 +103,11 @@ def compile_phases(lines: list[str]) -> dict[str, float | None] | None:
 
 def run_child(model: str, variant: str, optimizer_built: bool) -> dict:
     """One first step under XLA in a fresh process: its result and phases."""
-    command = [sys.executable, os.path.join(HERE, "realistic_child.py"), model, variant]
-    command += ["--jit", "--steps", "1", "--warmup", "0"]
-    if optimizer_built:
-        command.append("--optimizer-built")
-    env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "0"}
-    env["TF_CPP_VMODULE"] = _VMODULE
-    out = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    results = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or not results:
-        tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
-        return {"variant": variant, "error": " | ".join(tail)}
-    result = json.loads(results[-1][len("RESULT ") :])
-    phases = compile_phases(out.stderr.splitlines())
+    steps = argparse.Namespace(steps=1, warmup=0, optimizer_built=optimizer_built, before=None)
+    result = realistic.run_child(model, variant, steps, jit=True, log_modules=_VMODULE)
+    if "error" in result:
+        return result
+    phases = compile_phases(result.pop("log"))
     if phases is None:
         result["error"] = "no finished XLA compile in the log (was XLA on?)"
         return result

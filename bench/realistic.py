@@ -78,8 +78,12 @@ def gpu_names(python: str = sys.executable) -> tuple[list[str], str]:
     return [], f"TensorFlow {found['version']} is built with CUDA but sees no GPU"
 
 
-def run_child(model: str, variant: str, args, jit: bool) -> dict:
-    """One measurement in a fresh process; its JSON result."""
+def run_child(model: str, variant: str, args, jit: bool, log_modules: str = "") -> dict:
+    """One measurement in a fresh process; its JSON result.
+
+    ``log_modules``: a ``TF_CPP_VMODULE`` value; TensorFlow's log is then on
+    and its lines come back as ``result["log"]``.
+    """
     command = [sys.executable, os.path.join(HERE, "realistic_child.py"), model, variant]
     command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     if jit:
@@ -87,6 +91,8 @@ def run_child(model: str, variant: str, args, jit: bool) -> dict:
     if args.optimizer_built:
         command.append("--optimizer-built")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": ROOT}
+    if log_modules:
+        env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=log_modules)
     if variant == "nanwatch_before":
         env["PYTHONPATH"] = args.before
     out = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -94,7 +100,10 @@ def run_child(model: str, variant: str, args, jit: bool) -> dict:
     if out.returncode != 0 or not lines:
         tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
         return {"model": model, "variant": variant, "error": " | ".join(tail)}
-    return json.loads(lines[-1][len("RESULT ") :])
+    result = json.loads(lines[-1][len("RESULT ") :])
+    if log_modules:
+        result["log"] = out.stderr.splitlines()
+    return result
 
 
 def measure(model: str, variants: list[str], args, jit: bool) -> list[dict]:
