@@ -24,7 +24,7 @@ statistics are built from as few ops as possible, each one full pass at most:
   to compile): small gradients and weights of one size share a reduction
   (:func:`_one_pass_each`), and an activation's min and max stay integer
   keys until the builder converts all of them at once (:class:`TakenExtreme`).
-  tf2xla lowers the reductions of one kind and signature once
+  tf2xla lowers the one-tensor reductions of one kind and signature once
   (:func:`_lowered_once`).
 * The trigger is a value the entry computes anyway where possible: ``min +
   max`` of an activation (where this device's min/max propagate NaN, probed
@@ -479,9 +479,10 @@ def _one_pass_each(tensors: list[tf.Tensor], what: str) -> list[list[tf.Tensor]]
     """:func:`_pass_over` of each of ``tensors`` (all :func:`counted_in_pass`).
 
     Small tensors of one size and dtype share one reduction, each read
-    flat as operands of its own (no copy): XLA compiles each reduction as a
-    kernel, and tf2xla lowers each signature's once (see :func:`_lowered_once`;
-    bench/RESULTS.md, rounds 19 and 20).
+    flat as operands of its own (no copy): tf2xla takes about 5 ms to lower
+    each reduction, and XLA compiles each as a kernel (bench/RESULTS.md,
+    round 19). A large tensor's reduction is lowered once per signature
+    (:func:`_lowered_once`).
     """
     results: dict[int, list[tf.Tensor]] = {}
     groups: dict[tuple, list[tf.Tensor]] = {}
@@ -503,12 +504,8 @@ def _passes_together(tensors: list[tf.Tensor], what: str) -> list[list[tf.Tensor
     """:func:`_pass_over` of each of ``tensors`` (one size, one dtype) from one reduction."""
     if len(tensors) == 1:
         return [_pass_over(tensors[0], what)]
-    results = _lowered_once(f"{what} together", lambda ts: _reduce_together(ts, what), tensors)
-    width = len(results) // len(tensors)
-    return [list(results[i : i + width]) for i in range(0, len(results), width)]
-
-
-def _reduce_together(tensors: list[tf.Tensor], what: str) -> list[tf.Tensor]:
+    # Not through _lowered_once: a group's signature seldom comes again, and
+    # making a function for each cost more than it saved (round 20).
     operands, inits = [], []
     for t in tensors:
         flat = tf.reshape(t, [-1])
@@ -516,7 +513,9 @@ def _reduce_together(tensors: list[tf.Tensor], what: str) -> list[tf.Tensor]:
         operands += more
         inits += more_inits
     reducer = _one_pass_reducer(False, tuple(o.dtype for o in operands))
-    return xla.variadic_reduce(operands, inits, [0], reducer)
+    results = xla.variadic_reduce(operands, inits, [0], reducer)
+    width = len(results) // len(tensors)
+    return [list(results[i : i + width]) for i in range(0, len(results), width)]
 
 
 _LOWERED_ONCE: dict = {}  # the functions of _lowered_once, by kind and signature
