@@ -398,11 +398,10 @@ def _extremes_and_counts(t: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]
 
 def _key_extremes_and_counts(t: tf.Tensor) -> list[tf.Tensor]:
     """[least key, greatest key, NaN count, Inf count] of ``t``, one XLA reduction."""
-    return _lowered_once("extremes", _build_key_extremes_and_counts, [t])
+    return _lowered_once("extremes", _build_key_extremes_and_counts, t)
 
 
-def _build_key_extremes_and_counts(tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-    t = tensors[0]
+def _build_key_extremes_and_counts(t: tf.Tensor) -> list[tf.Tensor]:
     keys = _key(t)
     limits = np.iinfo(keys.dtype.as_numpy_dtype)
     inits = [
@@ -449,9 +448,7 @@ def _one_pass(t: tf.Tensor, operands: list, inits: list, extremes: bool = False)
 def _pass_over(t: tf.Tensor, what: str) -> list:
     """:func:`_one_pass` of a gradient's half squares (``"squares"``) or of
     a weight's counts alone (``"counts"``)."""
-    return _lowered_once(
-        what, lambda tensors: _one_pass(tensors[0], *_head_of(tensors[0], what)), [t]
-    )
+    return _lowered_once(what, lambda x: _one_pass(x, *_head_of(x, what)), t)
 
 
 def _head_of(t: tf.Tensor, what: str) -> tuple[list, list]:
@@ -521,9 +518,9 @@ def _passes_together(tensors: list[tf.Tensor], what: str) -> list[list[tf.Tensor
 _LOWERED_ONCE: dict = {}  # the functions of _lowered_once, by kind and signature
 
 
-def _lowered_once(kind: str, build, tensors: list[tf.Tensor]) -> list[tf.Tensor]:
-    """``build(tensors)``, a list of tensors, from a function made once per
-    process for each ``kind`` and signature of ``tensors``.
+def _lowered_once(kind: str, build, t: tf.Tensor) -> list[tf.Tensor]:
+    """``build(t)``, a list of tensors, from a function made once per
+    process for each ``kind`` and signature of ``t``.
 
     tf2xla lowers every ``XlaVariadicReduceV2`` through an MLIR pipeline of
     its own, about 5 ms each, and a called function's body again at every
@@ -533,19 +530,17 @@ def _lowered_once(kind: str, build, tensors: list[tf.Tensor]) -> list[tf.Tensor]
     conditional simplifier then takes the conditional away, so the optimized
     step is the same (bench/RESULTS.md, round 20).
     """
-    key = (kind, lazy_counts.signature(tensors))
-    function = lazy_counts.traced_once(
-        _LOWERED_ONCE, key, lambda *args: tuple(build(list(args))), *tensors
-    )
+    key = (kind, lazy_counts.signature([t]))
+    function = lazy_counts.traced_once(_LOWERED_ONCE, key, lambda x: tuple(build(x)), t)
     function.add_to_graph(tf.compat.v1.get_default_graph())  # once a graph: it checks
     return list(
         gen_functional_ops.stateless_if(
             cond=lazy_counts.graph_constant(np.array(True)),
-            input=tensors,
-            Tout=[t.dtype for t in function.outputs],
+            input=[t],
+            Tout=[out.dtype for out in function.outputs],
             then_branch=function.name,
             else_branch=function.name,
-            output_shapes=[t.shape for t in function.outputs],
+            output_shapes=[out.shape for out in function.outputs],
         )
     )
 
