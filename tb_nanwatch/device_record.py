@@ -132,18 +132,15 @@ class DeviceRecord:
         this_step = self._step_count.read_value() + 1
         capturing = tf.logical_not(self._incident_captured.read_value())
 
-        def copy():
+        def copy() -> None:
             for copy_var, v in zip(self._pre_step_copies, weights, strict=False):
                 copy_var.assign(v)
             self._pre_step_copies_of.assign(this_step)
-            return tf.constant(True)
 
         if self.pre_step_weights == "every_step":
-            tf.cond(capturing, copy, lambda: tf.constant(False))
+            step_stats.rare_assign(capturing, copy)
         else:
-            step_stats.rare_cond(
-                tf.logical_and(maybe_nonfinite(), capturing), copy, lambda: tf.constant(False)
-            )
+            step_stats.rare_assign(tf.logical_and(maybe_nonfinite(), capturing), copy)
 
     def start_over(self) -> None:
         """Back to the state of a new run, for a compiled step that a later
@@ -166,15 +163,12 @@ class DeviceRecord:
         count = self._step_count.assign_add(1)
         capturing = tf.logical_not(self._incident_captured.read_value())
 
-        def keep_batch():
+        def keep_batch() -> None:
             for slot, t in zip(self._batch_stash, batch, strict=False):
                 _stash(slot, t)
             self._batch_of.assign(count)
-            return tf.constant(True)
 
-        step_stats.rare_cond(
-            tf.logical_and(nonfinite, capturing), keep_batch, lambda: tf.constant(False)
-        )
+        step_stats.rare_assign(tf.logical_and(nonfinite, capturing), keep_batch)
         self._incident_captured.assign(tf.logical_or(tf.logical_not(capturing), incident))
         seq = tf.cast(count % SEQ_MODULO, tf.float32)
         first = tf.reshape(replica_first_nonfinite, [-1])

@@ -101,6 +101,27 @@ def rare_cond(pred: tf.Tensor, true_fn, false_fn):
     return out
 
 
+def rare_assign(pred: tf.Tensor, assign) -> None:
+    """Runs ``assign`` (variable assignments, nothing returned) when ``pred``.
+
+    Under XLA the other branch does nothing and neither returns anything, so
+    it only passes the variables through. XLA's conditional simplifier turns
+    a conditional whose branches hold only ops it deems cheap (assignments,
+    pads, reshapes) into a select of both: every variable written on every
+    step. It keeps one that has a pass-through branch (bench/RESULTS.md,
+    round 21). Elsewhere as :func:`rare_cond`.
+    """
+    if lazy_counts.in_xla():
+        tf.cond(pred, assign, lambda: None)
+        return
+
+    def assigned() -> tf.Tensor:
+        assign()
+        return tf.constant(True)
+
+    rare_cond(pred, assigned, lambda: tf.constant(False))
+
+
 _MINMAX_PROPAGATES_NAN: bool | None = None
 
 

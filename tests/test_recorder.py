@@ -56,6 +56,71 @@ def test_on_suspect_copies_weights_only_in_steps_that_may_be_nonfinite(tmp_path)
         bundle.restore(scenarios.update_adam_eps0()[0])
 
 
+@pytest.mark.parametrize("pre_step_weights", ["on_suspect", "every_step"])
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_the_bundle_holds_the_weights_from_before_the_incident_step(
+    jit_compile, pre_step_weights, tmp_path
+):
+    # The incident step's NaN gradients reach the weights through SGD, so
+    # weights read after the step would be NaN.
+    keras.utils.set_random_seed(0)
+    model, kwargs, truth = scenarios.backward_sqrt_zero()
+    model.compile(optimizer=model.optimizer, loss=model.loss, jit_compile=jit_compile)
+    before = {}
+
+    def keep(batch, logs):
+        before[batch] = {v.path: v.numpy() for v in model.trainable_weights}
+
+    watch = tb_nanwatch.NanWatch(str(tmp_path), pre_step_weights=pre_step_weights)
+    callbacks = [keras.callbacks.LambdaCallback(on_train_batch_begin=keep), watch]
+    model.fit(**kwargs, callbacks=callbacks, verbose=0)
+    step = truth["step"]
+    assert origin(watch.incident) == truth
+    assert watch.journal.summary()["jit_compile"] == jit_compile
+    assert not all(np.isfinite(v.numpy()).all() for v in model.trainable_weights)
+    bundle = tb_nanwatch.load_bundle(str(tmp_path))
+    assert bundle.info["weights_before_step"] == step and bundle.info["exact"]
+    assert sorted(bundle.weights) == sorted(before[step])
+    for path, value in bundle.weights.items():
+        np.testing.assert_array_equal(value, before[step][path])
+
+
+def test_xla_keeps_the_pre_step_copy_and_the_batch_stash_conditionals(tmp_path):
+    # XLA turns a conditional whose branches it deems cheap into a select of
+    # both: the copy would write every weight, and the stash the batch, on
+    # every step. A branch that only passes the variables through keeps it.
+    x, y = tf.ones((8, 8)), tf.ones((8, 1))
+
+    def conditionals(pre_step_weights: str) -> int:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+        )
+        optimizer = keras.optimizers.SGD(0.01)
+        log_dir = str(tmp_path / pre_step_weights)
+        watcher = tb_nanwatch.StepWatcher(
+            log_dir, model, optimizer, pre_step_weights=pre_step_weights
+        )
+
+        @tf.function(jit_compile=True)
+        def train_step(x, y):
+            with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
+                loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
+            grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            rec.after_update()
+            return loss
+
+        train_step(x, y)
+        watcher.end_step()
+        watcher.close()
+        optimized = train_step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
+        return optimized.count(" conditional(")
+
+    copying, not_copying = conditionals("on_suspect"), conditionals("off")
+    assert (copying, not_copying) == (2, 1)  # the copy and the stash; the stash
+
+
 def test_recorded_statistics_match_an_eager_recomputation(tmp_path):
     """Step 0's vector against the same numbers computed eagerly, one by one."""
     keras.utils.set_random_seed(0)
