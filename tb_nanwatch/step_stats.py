@@ -860,9 +860,10 @@ def _any_counted(counts: list[tf.Tensor]) -> tf.Tensor:
     """A scalar bool: whether any of ``counts`` (int32 scalars) is not 0.
 
     Under XLA the test goes through a square root, which XLA does not copy
-    into each of its users: the pre-step weight copy has one select a weight
-    on it, and a cheap test over hundreds of counts copied into each of them
-    took XLA's fusion pass 20 s on a transformer.
+    into each of its users: the pre-step weight copy had one select a weight
+    on it (one conditional since round 21, see ``rare_assign``), and a cheap
+    test over hundreds of counts copied into each of them took XLA's fusion
+    pass 20 s on a transformer.
     """
     largest = tf.cast(tf.reduce_max(tf.stack(counts)), tf.float32)
     if lazy_counts.in_xla():

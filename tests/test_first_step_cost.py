@@ -765,10 +765,10 @@ def test_the_builder_turns_taken_extremes_into_floats_all_at_once():
 
 
 def test_the_may_be_non_finite_test_is_not_copied_into_each_of_its_users():
-    # The pre-step weight copy has a select a weight on whether any count so
-    # far is not 0. XLA copies a cheap producer into each of its users: the
-    # test over a transformer's ~250 counts into each of its ~70 selects took
-    # XLA's fusion pass 20 s.
+    # The pre-step weight copy was a select a weight on whether any count so
+    # far is not 0 (a conditional on it since round 21). XLA copies a cheap
+    # producer into each of its users: the test over a transformer's ~250
+    # counts into each of its ~70 selects took XLA's fusion pass 20 s.
     def instructions(users: int, counts: int = 60) -> int:
         @tf.function(jit_compile=True, autograph=False)
         def step(xs, weights):
