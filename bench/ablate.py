@@ -57,7 +57,7 @@ def without(parts) -> Iterator[None]:
             f"--without: unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}"
         )
     callers = {_CONDITIONAL_OF[p] for p in parts if p in _CONDITIONAL_OF}
-    rare_cond = step_stats.rare_cond
+    rare_cond, rare_assign = step_stats.rare_cond, step_stats.rare_assign
 
     def ablated_rare_cond(pred, true_fn, false_fn):
         # Called from the function that owns the conditional: a healthy step's branch, inline.
@@ -65,7 +65,15 @@ def without(parts) -> Iterator[None]:
             return false_fn()
         return rare_cond(pred, true_fn, false_fn)
 
-    replaced = [(step_stats, "rare_cond", ablated_rare_cond)]
+    def ablated_rare_assign(pred, assign):
+        # A healthy step assigns nothing.
+        if sys._getframe(1).f_code.co_name not in callers:
+            rare_assign(pred, assign)
+
+    replaced = [
+        (step_stats, "rare_cond", ablated_rare_cond),
+        (step_stats, "rare_assign", ablated_rare_assign),
+    ]
     if "counts" in parts:
         replaced.append(
             (lazy_counts, "counts_in_chunks", lambda counts, phases=None: tf.zeros([len(counts)]))
