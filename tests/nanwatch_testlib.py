@@ -394,6 +394,26 @@ _CALLS = ("PartitionedCall", "StatefulPartitionedCall")
 _CONDITIONALS = ("If", "StatelessIf")
 
 
+def watched_mse_step(watcher, model, optimizer, jit_compile: bool = False, on_trace=None):
+    """A custom loop's train step (mean squared error) watched by the
+    StepWatcher ``watcher``, as a tf.function; ``on_trace()`` runs at the end
+    of its trace (to look at the graph)."""
+    import tensorflow as tf
+
+    @tf.function(jit_compile=jit_compile)
+    def train_step(x, y):
+        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
+            loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
+        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        rec.after_update()
+        if on_trace is not None:
+            on_trace()
+        return loss
+
+    return train_step
+
+
 def op_types_run(graph) -> list[str]:
     """The op type of every op of ``graph``, where a call of a function and a
     conditional on a constant (``step_stats._lowered_once``, which XLA takes

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scenarios
 import tensorflow as tf
-from nanwatch_testlib import is_chunk_call, op_types_run, traced_graphs
+from nanwatch_testlib import is_chunk_call, op_types_run, traced_graphs, watched_mse_step
 from scenarios import fit, origin
 
 import tb_nanwatch
@@ -260,16 +260,10 @@ def _one_watched_step(tmp_path, model, optimizer, jit_compile: bool = False):
     watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
     traced = []
 
-    @tf.function(jit_compile=jit_compile)
-    def train_step(x, y):
-        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
-            loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
-        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        rec.after_update()
+    def look():
         traced.append((tf.compat.v1.get_default_graph(), lazy_counts.in_xla()))
-        return loss
 
+    train_step = watched_mse_step(watcher, model, optimizer, jit_compile, on_trace=look)
     train_step(tf.ones((4, 8)), tf.ones((4, 1)))
     watcher.end_step()
     watcher.close()

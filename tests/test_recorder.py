@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import scenarios
 import tensorflow as tf
-from nanwatch_testlib import is_chunk_call, op_types_run
+from nanwatch_testlib import is_chunk_call, op_types_run, watched_mse_step
 from scenarios import fit, origin
 
 import tb_nanwatch
@@ -101,16 +101,7 @@ def test_xla_keeps_the_pre_step_copy_and_the_batch_stash_conditionals(tmp_path):
         watcher = tb_nanwatch.StepWatcher(
             log_dir, model, optimizer, pre_step_weights=pre_step_weights
         )
-
-        @tf.function(jit_compile=True)
-        def train_step(x, y):
-            with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
-                loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
-            grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-            rec.after_update()
-            return loss
-
+        train_step = watched_mse_step(watcher, model, optimizer, jit_compile=True)
         train_step(x, y)
         watcher.end_step()
         watcher.close()
@@ -277,19 +268,13 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(
     watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, optimizer)
     conds, traced_in_xla, types = [], [], set()
 
-    @tf.function(jit_compile=jit_compile)
-    def train_step(x, y):
+    def look():
         traced_in_xla.append(lazy_counts.in_xla())
-        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
-            loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
-        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        rec.after_update()
         graph = tf.compat.v1.get_default_graph()
         conds.extend(op for op in graph.get_operations() if _is_our_conditional(op))
         types.update(op_types_run(graph))
-        return loss
 
+    train_step = watched_mse_step(watcher, model, optimizer, jit_compile, on_trace=look)
     train_step(tf.ones((8, 8)), tf.ones((8, 1)))
     watcher.end_step()
     watcher.close()
