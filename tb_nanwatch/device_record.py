@@ -138,9 +138,10 @@ class DeviceRecord:
             self._pre_step_copies_of.assign(this_step)
 
         if self.pre_step_weights == "every_step":
-            step_stats.rare_assign(capturing, copy)
+            copying = capturing
         else:
-            step_stats.rare_assign(tf.logical_and(maybe_nonfinite(), capturing), copy)
+            copying = tf.logical_and(maybe_nonfinite(), capturing)
+        step_stats.rare_assign(copying, copy)
 
     def start_over(self) -> None:
         """Back to the state of a new run, for a compiled step that a later
