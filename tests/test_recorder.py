@@ -89,7 +89,10 @@ def test_xla_keeps_the_pre_step_copy_and_the_batch_stash_conditionals(tmp_path):
     # XLA turns a conditional whose branches it deems cheap into a select of
     # both: the copy would write every weight, and the stash the batch, on
     # every step. A branch that only passes the variables through keeps it.
+    from tb_nanwatch import lazy_counts
+
     x, y = tf.ones((8, 8)), tf.ones((8, 1))
+    traced_in_xla = []
 
     def conditionals(pre_step_weights: str) -> int:
         keras.utils.set_random_seed(0)
@@ -101,7 +104,11 @@ def test_xla_keeps_the_pre_step_copy_and_the_batch_stash_conditionals(tmp_path):
         watcher = tb_nanwatch.StepWatcher(
             log_dir, model, optimizer, pre_step_weights=pre_step_weights
         )
-        train_step = watched_mse_step(watcher, model, optimizer, jit_compile=True)
+
+        def look():
+            traced_in_xla.append(lazy_counts.in_xla())
+
+        train_step = watched_mse_step(watcher, model, optimizer, jit_compile=True, on_trace=look)
         train_step(x, y)
         watcher.end_step()
         watcher.close()
@@ -109,6 +116,7 @@ def test_xla_keeps_the_pre_step_copy_and_the_batch_stash_conditionals(tmp_path):
         return optimized.count(" conditional(")
 
     copying, not_copying = conditionals("on_suspect"), conditionals("off")
+    assert traced_in_xla and all(traced_in_xla)  # both steps were traced for XLA
     assert (copying, not_copying) == (2, 1)  # the copy and the stash; the stash
 
 
