@@ -65,10 +65,11 @@ def without(parts) -> Iterator[None]:
             return false_fn()
         return rare_cond(pred, true_fn, false_fn)
 
-    def ablated_rare_assign(pred, assign):
+    def ablated_rare_assign(pred, assign, carry=()):
         # A healthy step assigns nothing.
-        if sys._getframe(1).f_code.co_name not in callers:
-            rare_assign(pred, assign)
+        if sys._getframe(1).f_code.co_name in callers:
+            return list(carry)
+        return rare_assign(pred, assign, carry)
 
     replaced = [
         (step_stats, "rare_cond", ablated_rare_cond),

@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import time
+import types
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,9 +75,12 @@ class FloorRecorder:
                 if t.dtype.is_floating:
                     trigger = tf.cast(total, tf.float32)
                     self._counts += lazy_counts.transient_counts_of([t], trigger).values()
-        return sums
+        # As NanWatch's PendingStep: the step applies weight_gradients.
+        return types.SimpleNamespace(
+            sums=sums, weight_gradients=inputs.grads[: len(inputs.weights)]
+        )
 
-    def after_update(self, sums, weights):
+    def after_update(self, pending, weights):
         import tensorflow as tf
 
         from tb_nanwatch import lazy_counts
@@ -84,6 +88,7 @@ class FloorRecorder:
         if self.exact_counts:  # the counts read each weight once
             weights = [tf.convert_to_tensor(v) for v in weights]
         weight_sums = [tf.reduce_sum(v) for v in weights]
+        sums = pending.sums
         row = tf.cast(tf.stack(sums + weight_sums), tf.float32)
         self.tensors_read = len(sums) + len(weight_sums)
         if not self.exact_counts:

@@ -285,7 +285,9 @@ class StepRecording:
             model=self.watcher.model,
         )
         self._pending = recorder.guarded(recorder.before_update, inputs)
-        return all_grads[:n]
+        if self._pending is None:
+            return all_grads[:n]
+        return self._pending.weight_gradients
 
     @_no_autograph
     def after_update(self) -> None:

@@ -121,11 +121,16 @@ class DeviceRecord:
                 tf.constant(0, tf.int64), "nanwatch_pre_step_weights_of"
             )
 
-    def copy_pre_step_weights(self, weights: list, maybe_nonfinite) -> None:
+    def copy_pre_step_weights(self, weights: list, maybe_nonfinite, gradients: list) -> list:
         """Copies the weights before the update: every step, or ``on_suspect``
-        when ``maybe_nonfinite()`` (a scalar bool tensor) is true."""
+        when ``maybe_nonfinite()`` (a scalar bool tensor) is true.
+
+        Returns ``gradients`` (the weights', ``None`` where a weight has none)
+        for the update to apply: under XLA the update then waits for the copy
+        (see ``step_stats.rare_assign``). Values are unchanged.
+        """
         if self._pre_step_copies is None:
-            return
+            return gradients
         # The copies are frozen at the first incident (see write_row), so with
         # steps_per_execution > 1 the later steps of the same execution do not
         # overwrite them.
@@ -141,7 +146,11 @@ class DeviceRecord:
             copying = capturing
         else:
             copying = tf.logical_and(maybe_nonfinite(), capturing)
-        step_stats.rare_assign(copying, copy)
+        flat = tf.nest.flatten(list(gradients), expand_composites=True)
+        present = [t for t in flat if t is not None]
+        carried = iter(step_stats.rare_assign(copying, copy, present))
+        flat = [None if t is None else next(carried) for t in flat]
+        return tf.nest.pack_sequence_as(list(gradients), flat, expand_composites=True)
 
     def start_over(self) -> None:
         """Back to the state of a new run, for a compiled step that a later
@@ -310,7 +319,17 @@ def _weight_copy(v, growable: bool) -> tf.Variable:
     if growable:
         empty = tf.zeros([0], v.dtype)
         return _local_variable(empty, "nanwatch_pre_step_weights", tf.TensorShape(None))
-    return _local_variable(tf.zeros(v.shape, v.dtype), "nanwatch_pre_step_weights")
+    return _local_variable(_unwritten(v.shape, v.dtype), "nanwatch_pre_step_weights")
+
+
+def _unwritten(shape, dtype: tf.DType) -> tf.Tensor:
+    """A tensor of ``shape`` whose memory is never written (not zeroed): the
+    kernel then touches none of its pages, so a full-size buffer under XLA,
+    read only after a step wrote it, holds no resident memory until then."""
+    dtype = tf.as_dtype(dtype)
+    if len(shape) and (dtype.is_floating or dtype.is_integer or dtype.is_bool):
+        return tf.raw_ops.Empty(shape=list(shape), dtype=dtype, init=False)
+    return tf.zeros(shape, dtype)
 
 
 # Under XLA the batch of the current step is kept in a fixed-shape variable
@@ -332,7 +351,7 @@ def _stash_variable(t: tf.Tensor, growable: bool) -> tuple[tf.Variable, tf.Varia
     else:
         rows = shape[0] if shape.rank and shape[0] is not None else _DEFAULT_ROWS
         full = [rows] + list(shape[1:]) if shape.rank else []
-        stash = _local_variable(tf.zeros(full, t.dtype), "nanwatch_batch")
+        stash = _local_variable(_unwritten(full, t.dtype), "nanwatch_batch")
     return stash, _local_variable(tf.constant(0, tf.int32), "nanwatch_batch_rows")
 
 

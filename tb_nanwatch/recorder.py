@@ -33,6 +33,7 @@ class PendingStep:
     builder: step_stats.StatsBuilder
     batch: list[tf.Tensor]
     gradients: list  # every gradient the statistics read (see readers_first)
+    weight_gradients: list  # the weights' gradients, for the update to apply
 
 
 class StepRecorder:
@@ -95,6 +96,7 @@ class StepRecorder:
         # A trace that is never run needs only the entries (for the
         # variables' shapes); see _trace_never_runs.
         schema_only = self._trace_never_runs(inputs)
+        weight_gradients = list(inputs.grads[: len(inputs.weights)])
         with tf.name_scope(STATS_SCOPE):
             builder = self.statistics.before_update(
                 inputs, step_stats.SchemaOnlyBuilder() if schema_only else None
@@ -103,10 +105,12 @@ class StepRecorder:
             size = _vector_size_after_update(builder, inputs.weights)
             batch = self.device.ensure(size, inputs.data, inputs.weights, retrace=schema_only)
             if schema_only:
-                return PendingStep(builder, batch, [])
-            self.device.copy_pre_step_weights(inputs.weights, builder.maybe_nonfinite)
+                return PendingStep(builder, batch, [], weight_gradients)
+            weight_gradients = self.device.copy_pre_step_weights(
+                inputs.weights, builder.maybe_nonfinite, weight_gradients
+            )
         gradients = [g for g in inputs.grads if g is not None]
-        return PendingStep(builder, batch, gradients)
+        return PendingStep(builder, batch, gradients, weight_gradients)
 
     def after_update(self, pending: PendingStep, weights: list) -> tf.Tensor:
         """Adds the update entries and writes the step's row; returns the row."""

@@ -101,25 +101,40 @@ def rare_cond(pred: tf.Tensor, true_fn, false_fn):
     return out
 
 
-def rare_assign(pred: tf.Tensor, assign) -> None:
+def rare_assign(pred: tf.Tensor, assign, carry: list[tf.Tensor] = ()) -> list[tf.Tensor]:
     """Runs ``assign`` (variable assignments, nothing returned) when ``pred``.
 
-    Under XLA the other branch does nothing and neither returns anything, so
-    it only passes the variables through. XLA's conditional simplifier turns
-    a conditional whose branches hold only ops it deems cheap (assignments,
-    pads, reshapes) into a select of both: every variable written on every
-    step. It keeps one that has a pass-through branch (bench/RESULTS.md,
-    round 21). Elsewhere as :func:`rare_cond`.
+    Returns ``carry``, tensors that the step uses after the assignments,
+    unchanged; their later users wait for ``assign``'s reads.
+
+    Under XLA this is a loop run zero times or once. XLA updates a loop's
+    state in place, so a step that assigns nothing writes nothing. A
+    conditional instead copies every variable it might assign on every step
+    (its untaken branch passes them through a copy), and a weight that the
+    branch reads and the step then updates in place is copied too, unless
+    the update waits for the branch: hence ``carry`` (the gradients), held
+    by an optimization barrier so that XLA cannot forward them around the
+    loop (bench/RESULTS.md, round 22). Elsewhere a :func:`rare_cond`.
     """
+    carry = list(carry)
     if lazy_counts.in_xla():
-        tf.cond(pred, assign, lambda: None)
-        return
+        trips = tf.cast(pred, tf.int32)
+
+        def body(i, *kept):
+            assign()
+            return tuple(xla.optimization_barrier(i + 1, *kept))
+
+        out = tf.while_loop(
+            lambda i, *_: i < trips, body, (tf.constant(0), *carry), maximum_iterations=1
+        )
+        return list(out[1:])
 
     def assigned() -> tf.Tensor:
         assign()
         return tf.constant(True)
 
     rare_cond(pred, assigned, lambda: tf.constant(False))
+    return carry
 
 
 _MINMAX_PROPAGATES_NAN: bool | None = None

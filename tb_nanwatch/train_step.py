@@ -95,6 +95,8 @@ def recorded_train_step(recorder: StepRecorder, data):
         trace, x, y, y_pred, loss, weights, all_grads, model.optimizer, data, model, bool(created)
     )
     pending = recorder.guarded(recorder.before_update, inputs)
+    if pending is not None:
+        grads = pending.weight_gradients
     if weights:
         model.optimizer.apply_gradients(zip(grads, weights, strict=False))
     row = None if pending is None else recorder.guarded(recorder.after_update, pending, weights)

@@ -4,6 +4,8 @@ scope) and the same diagnosis under the graph's variants."""
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -85,39 +87,75 @@ def test_the_bundle_holds_the_weights_from_before_the_incident_step(
         np.testing.assert_array_equal(value, before[step][path])
 
 
-def test_xla_keeps_the_pre_step_copy_and_the_batch_stash_conditionals(tmp_path):
-    # XLA turns a conditional whose branches it deems cheap into a select of
-    # both: the copy would write every weight, and the stash the batch, on
-    # every step. A branch that only passes the variables through keeps it.
+def _copied_outside_loop_bodies(optimized_hlo: str) -> int:
+    """Elements copied by ``copy`` instructions of a compiled XLA step,
+    scalars aside, outside the bodies of its while loops (which a healthy
+    step of NanWatch's never enters); both branches of a conditional count."""
+    bodies = set(re.findall(r"body=%([\w.\-]+)", optimized_hlo))
+    copied = 0
+    for computation in re.split(r"\n(?=%|ENTRY)", optimized_hlo):
+        if computation.split()[0].lstrip("%") in bodies:
+            continue
+        for dims in re.findall(r"= \w+\[([0-9,]*)\]\{[^}]*\} copy\(", computation):
+            elements = int(np.prod([int(d) for d in dims.split(",") if d]))
+            copied += elements if elements > 1 else 0
+    return copied
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the watcher's own failure warns
+@pytest.mark.parametrize("pre_step_weights", ["on_suspect", "every_step", "off"])
+def test_a_healthy_xla_step_copies_nothing_for_the_pre_step_copy_or_the_batch_stash(
+    tmp_path, pre_step_weights
+):
+    # As a conditional, the copy (and the stash) made XLA copy every weight
+    # it might copy on every step, and every weight that it reads and the
+    # update then writes in place: the watched step copied more than the
+    # step alone. As a loop run zero times or once, with the update waiting
+    # for it, nothing is copied until an incident.
     from tb_nanwatch import lazy_counts
 
     x, y = tf.ones((8, 8)), tf.ones((8, 1))
     traced_in_xla = []
 
-    def conditionals(pre_step_weights: str) -> int:
+    def model_and_optimizer():
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
             [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
         )
-        optimizer = keras.optimizers.SGD(0.01)
-        log_dir = str(tmp_path / pre_step_weights)
-        watcher = tb_nanwatch.StepWatcher(
-            log_dir, model, optimizer, pre_step_weights=pre_step_weights
-        )
+        return model, keras.optimizers.SGD(0.01)
 
-        def look():
-            traced_in_xla.append(lazy_counts.in_xla())
+    model, optimizer = model_and_optimizer()
 
-        train_step = watched_mse_step(watcher, model, optimizer, jit_compile=True, on_trace=look)
-        train_step(x, y)
-        watcher.end_step()
-        watcher.close()
-        optimized = train_step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
-        return optimized.count(" conditional(")
+    @tf.function(jit_compile=True)
+    def plain_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
 
-    copying, not_copying = conditionals("on_suspect"), conditionals("off")
-    assert traced_in_xla and all(traced_in_xla)  # both steps were traced for XLA
-    assert (copying, not_copying) == (2, 1)  # the copy and the stash; the stash
+    plain_step(x, y)
+    plain = plain_step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
+
+    model, optimizer = model_and_optimizer()
+    watcher = tb_nanwatch.StepWatcher(
+        str(tmp_path), model, optimizer, pre_step_weights=pre_step_weights
+    )
+    train_step = watched_mse_step(
+        watcher,
+        model,
+        optimizer,
+        jit_compile=True,
+        on_trace=lambda: traced_in_xla.append(lazy_counts.in_xla()),
+    )
+    train_step(x, y)
+    assert watcher.end_step() is False
+    watcher.close()
+    watched = train_step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
+    assert traced_in_xla and all(traced_in_xla)
+    loops = 1 if pre_step_weights == "off" else 2  # the stash, and the copy
+    assert watched.count(" while(") == loops
+    assert _copied_outside_loop_bodies(watched) <= _copied_outside_loop_bodies(plain)
 
 
 def test_recorded_statistics_match_an_eager_recomputation(tmp_path):
