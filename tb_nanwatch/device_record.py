@@ -146,11 +146,21 @@ class DeviceRecord:
             copying = capturing
         else:
             copying = tf.logical_and(maybe_nonfinite(), capturing)
-        flat = tf.nest.flatten(list(gradients), expand_composites=True)
-        present = [t for t in flat if t is not None]
+        # An IndexedSlices' dense_shape stays out: XLA needs it as a constant.
+        tensors = [
+            (g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,) for g in gradients
+        ]
+        present = [t for parts in tensors for t in parts if t is not None]
         carried = iter(step_stats.rare_assign(copying, copy, present))
-        flat = [None if t is None else next(carried) for t in flat]
-        return tf.nest.pack_sequence_as(list(gradients), flat, expand_composites=True)
+        out = []
+        for g in gradients:
+            if g is None:
+                out.append(None)
+            elif isinstance(g, tf.IndexedSlices):
+                out.append(tf.IndexedSlices(next(carried), next(carried), g.dense_shape))
+            else:
+                out.append(next(carried))
+        return out
 
     def start_over(self) -> None:
         """Back to the state of a new run, for a compiled step that a later

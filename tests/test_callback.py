@@ -284,3 +284,50 @@ def test_every_step_is_recorded_across_epochs(tmp_path):
     layers = summary["layers"]
     assert layers == ["dense_0", "dense_1", "dense_2", "head"]
     tf.debugging.assert_equal(len(watch.journal.series_columns) > 10, True)
+
+
+def test_xla_bundle_of_an_embedding_model_holds_its_weights_before_the_incident_step(tmp_path):
+    # An Embedding's gradient is an IndexedSlices; under XLA it goes through
+    # the loop that copies the weights before the update, with its dense
+    # shape kept a constant. Training up to the incident is unchanged: the
+    # copied weights are those of the same model trained without NanWatch.
+    rows, nan_step = 4 * scenarios.BATCH, 3
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, (rows, 6)).astype("int32")
+    y = rng.normal(size=(rows, 1)).astype("float32")
+    y[nan_step * scenarios.BATCH] = np.nan
+
+    def trained(batches: int, callbacks: list) -> keras.Model:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((6,), dtype="int32"),
+                keras.layers.Embedding(50, 8),
+                keras.layers.GlobalAveragePooling1D(),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
+        end = batches * scenarios.BATCH
+        model.fit(
+            x[:end],
+            y[:end],
+            batch_size=scenarios.BATCH,
+            shuffle=False,
+            callbacks=callbacks,
+            verbose=0,
+        )
+        return model
+
+    before_incident = trained(nan_step, [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the watcher's own failures warn
+        watch = tb_nanwatch.NanWatch(str(tmp_path))
+        trained(nan_step + 1, [watch])
+    assert watch.journal.run_info["jit_compile"] is True
+    assert watch.incident is not None and watch.incident["step"] == nan_step
+    bundle = tb_nanwatch.load_bundle(str(tmp_path))
+    expected = [v.numpy() for v in before_incident.trainable_variables]
+    assert len(bundle.weights) == len(expected)
+    for got, want in zip(bundle.weights.values(), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
