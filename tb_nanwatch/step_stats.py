@@ -122,6 +122,8 @@ def rare_assign(pred: tf.Tensor, assign, carry: list[tf.Tensor] = ()) -> list[tf
 
         def body(i, *kept):
             assign()
+            if xla is None:  # no barrier: still right, only copied more
+                return (i + 1, *kept)
             return tuple(xla.optimization_barrier(i + 1, *kept))
 
         out = tf.while_loop(
