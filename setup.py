@@ -17,7 +17,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["tb_nanwatch", "tb_nanwatch.*"]),
-    package_data={"tb_nanwatch": ["static/*"]},
+    package_data={"tb_nanwatch.board": ["static/*"]},
     include_package_data=True,
     install_requires=[
         "tensorboard>=2.16,<2.22",
@@ -38,6 +38,6 @@ setup(
     },
     entry_points={
         "console_scripts": ["tb-nanwatch=tb_nanwatch.cli:main"],
-        "tensorboard_plugins": ["nanwatch=tb_nanwatch.plugin:NanWatchPlugin"],
+        "tensorboard_plugins": ["nanwatch=tb_nanwatch.board.plugin:NanWatchPlugin"],
     },
 )

@@ -48,7 +48,7 @@ def without(parts) -> Iterator[None]:
     """NanWatch's step, traced while this is active, lacks ``parts`` (see the module docstring)."""
     import tensorflow as tf
 
-    from tb_nanwatch import lazy_counts, step_stats
+    from tb_nanwatch.record import lazy_counts, step_stats
 
     parts = set(parts)
     unknown = parts - set(PARTS)

@@ -37,7 +37,7 @@ class FloorRecorder:
 
     With ``exact_counts`` (the ``floor_counts`` variant) the row also holds
     the exact NaN and Inf count of every one of those tensors, each sum its
-    trigger, lazy as NanWatch builds them without XLA (``tb_nanwatch.lazy_counts``:
+    trigger, lazy as NanWatch builds them without XLA (``tb_nanwatch.record.lazy_counts``:
     held and counted in one rare conditional; under XLA a few at a time, as
     NanWatch counted before it took the counts in its statistics' own pass):
     what lazy exact counts cost on top of the floor, without NanWatch's other
@@ -47,8 +47,8 @@ class FloorRecorder:
     steps_per_execution = 1
 
     def __init__(self, model, exact_counts: bool = False) -> None:
-        from tb_nanwatch.recorder import StepRecorder
-        from tb_nanwatch.taps import LayerTaps
+        from tb_nanwatch.record.recorder import StepRecorder
+        from tb_nanwatch.record.taps import LayerTaps
 
         self.model = model
         self.taps = LayerTaps(model)
@@ -65,7 +65,7 @@ class FloorRecorder:
         import tensorflow as tf
         import worker
 
-        from tb_nanwatch import lazy_counts
+        from tb_nanwatch.record import lazy_counts
 
         tensors = worker.floor_reads(inputs.trace, inputs.grads, inputs.y_pred)
         sums = [tf.reduce_sum(t) for t in tensors]
@@ -83,7 +83,7 @@ class FloorRecorder:
     def after_update(self, pending, weights):
         import tensorflow as tf
 
-        from tb_nanwatch import lazy_counts
+        from tb_nanwatch.record import lazy_counts
 
         if self.exact_counts:  # the counts read each weight once
             weights = [tf.convert_to_tensor(v) for v in weights]
@@ -107,8 +107,8 @@ def _exact_counts(counts: list):
     """Every lazy count of ``counts``, as NanWatch's step computes them."""
     import tensorflow as tf
 
-    from tb_nanwatch import lazy_counts
-    from tb_nanwatch.step_stats import rare_cond
+    from tb_nanwatch.record import lazy_counts
+    from tb_nanwatch.record.step_stats import rare_cond
 
     if lazy_counts.in_xla():
         return lazy_counts.counts_in_chunks(counts)
@@ -185,7 +185,7 @@ def main() -> None:
         callbacks.append(tb_nanwatch.NanWatch(log_dir))
     started = time.perf_counter()
     if args.variant.startswith("floor"):
-        from tb_nanwatch import train_step
+        from tb_nanwatch.record import train_step
 
         floor = FloorRecorder(model, exact_counts=args.variant == "floor_counts")
         floor.taps.install()

@@ -178,7 +178,7 @@ def floor_reads(trace, grads: list, y_pred) -> list:
     tensor once."""
     import tensorflow as tf
 
-    from tb_nanwatch.phase_stats import logits_read_instead
+    from tb_nanwatch.record.phase_stats import logits_read_instead
 
     instead = logits_read_instead(tf.nest.flatten(y_pred))
     outputs = [instead.get(id(t), t) for call in trace.calls for t in call.outputs]
@@ -302,11 +302,11 @@ def apply_patches(patches: list[str]) -> None:
             sys.path.insert(0, os.environ["NWBENCH_BEFORE_PATH"])
             sys.modules.pop("tb_nanwatch", None)
         elif patch == "nocounts":  # weights' nan/inf counts after the update replaced by 0
-            from tb_nanwatch import step_stats
+            from tb_nanwatch.record import step_stats
 
             step_stats.value_fields = lambda t: {"nan": tf.constant(0.0), "inf": tf.constant(0.0)}
         elif patch in ("notensorstats", "nogradstats", "noweightcounts"):
-            from tb_nanwatch import step_stats
+            from tb_nanwatch.record import step_stats
 
             zero = lambda: tf.constant(0.0)  # noqa: E731
             if patch == "notensorstats":
@@ -318,18 +318,18 @@ def apply_patches(patches: list[str]) -> None:
             else:
                 step_stats.value_fields = lambda t: {"nan": zero(), "inf": zero()}
         elif patch == "nohost":  # no host-side work after the step (no fetch, no journal)
-            from tb_nanwatch import callback
+            from tb_nanwatch.record import callback
 
             callback.NanWatch.on_train_batch_end = lambda self, batch, logs=None: None
         elif patch == "nojournal":  # fetch the row, but do not record it
-            from tb_nanwatch import journal
+            from tb_nanwatch.record import journal
 
             journal.RunJournal.record = lambda self, *a, **k: None
         elif patch == "asyncjournal":  # experiment: journal.record on a background thread
             import queue
             import threading
 
-            from tb_nanwatch import journal
+            from tb_nanwatch.record import journal
 
             record = journal.RunJournal.record
             rows: queue.Queue = queue.Queue()
@@ -342,7 +342,7 @@ def apply_patches(patches: list[str]) -> None:
             threading.Thread(target=drain, daemon=True).start()
             journal.RunJournal.record = lambda self, *a, **k: rows.put((self, a, k))
         elif patch == "noweights":  # pre-step weight copy off
-            from tb_nanwatch import callback
+            from tb_nanwatch.record import callback
 
             init = callback.NanWatch.__init__
 

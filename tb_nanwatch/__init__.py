@@ -12,11 +12,11 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "NanWatch": "tb_nanwatch.callback",
-    "StepWatcher": "tb_nanwatch.custom_loop",
-    "load_bundle": "tb_nanwatch.bundle",
-    "ReproBundle": "tb_nanwatch.bundle",
-    "summary": "tb_nanwatch.summary",
+    "NanWatch": "tb_nanwatch.record.callback",
+    "StepWatcher": "tb_nanwatch.record.custom_loop",
+    "load_bundle": "tb_nanwatch.record.bundle",
+    "ReproBundle": "tb_nanwatch.record.bundle",
+    "summary": "tb_nanwatch.record.summary",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -18,7 +18,7 @@ import types
 from collections.abc import Sequence
 from typing import TextIO
 
-from tb_nanwatch import logdir_walk
+from tb_nanwatch.board import logdir_walk
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -62,7 +62,7 @@ def _report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if problem:
         print(f"tb-nanwatch report: error: {problem}", file=err)
         return EXIT_USAGE
-    from tb_nanwatch import report
+    from tb_nanwatch.board import report
 
     data_provider = report.load_provider(args.logdir)
     if args.json:
@@ -107,7 +107,7 @@ def _export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if problem:
         print(f"tb-nanwatch export: error: {problem}", file=err)
         return EXIT_USAGE
-    from tb_nanwatch import export
+    from tb_nanwatch.board import export
 
     try:
         result = export.export(
@@ -137,7 +137,7 @@ def _positive(text: str) -> int:
 
 
 def _add_export_command(commands) -> None:
-    from tb_nanwatch.export import DEFAULT_MAX_POINTS, DEFAULT_MAX_STEP_TABLES
+    from tb_nanwatch.board.export import DEFAULT_MAX_POINTS, DEFAULT_MAX_STEP_TABLES
 
     export = commands.add_parser(
         "export",
@@ -170,7 +170,7 @@ def _add_export_command(commands) -> None:
 
 
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from tb_nanwatch import bundle, replay
+    from tb_nanwatch.record import bundle, replay
 
     try:
         saved = bundle.load_bundle(args.run_dir)

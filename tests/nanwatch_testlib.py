@@ -1,6 +1,6 @@
 """Helpers for the plugin, reader and report tests: runs, providers, clients.
 
-Runs are written by :func:`tb_nanwatch.synthetic.write_synthetic_run` (the real
+Runs are written by :func:`tb_nanwatch.record.synthetic.write_synthetic_run` (the real
 journal). Providers are built with TensorBoard's DEFAULT sampling (10 tensors
 per tag on the Python loader, 100 on the Rust data server).
 """
@@ -25,11 +25,11 @@ from tensorboard.backend import application
 from tensorboard.plugins import base_plugin
 from werkzeug import test as werkzeug_test
 
-from tb_nanwatch import metadata
-from tb_nanwatch.journal import JournalSettings, RunJournal
-from tb_nanwatch.plugin import NanWatchPlugin
-from tb_nanwatch.schema import Schema
-from tb_nanwatch.synthetic import build_schema, write_synthetic_run
+from tb_nanwatch.board.plugin import NanWatchPlugin
+from tb_nanwatch.evidence import metadata
+from tb_nanwatch.evidence.schema import Schema
+from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.synthetic import build_schema, write_synthetic_run
 
 BIG_STEPS = 5000
 BIG_INCIDENT = 4321
@@ -374,7 +374,7 @@ def traced_graphs():
     entry a replica a trace."""
     import tensorflow as tf
 
-    from tb_nanwatch import train_step
+    from tb_nanwatch.record import train_step
 
     graphs = []
     traced = train_step.recorded_train_step

@@ -48,7 +48,7 @@ def test_without_counts_only_the_loss_sees_the_nan(jit_compile, tmp_path):
 
 
 def test_the_parts_come_back_and_unknown_parts_are_named(tmp_path):
-    from tb_nanwatch import lazy_counts, step_stats
+    from tb_nanwatch.record import lazy_counts, step_stats
 
     def current() -> tuple:
         return (
@@ -70,7 +70,7 @@ def test_the_parts_come_back_and_unknown_parts_are_named(tmp_path):
 def test_without_holds_the_counts_take_each_tensor_as_it_is():
     import tensorflow as tf
 
-    from tb_nanwatch import lazy_counts
+    from tb_nanwatch.record import lazy_counts
 
     sources = {}
 

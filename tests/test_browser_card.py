@@ -1,7 +1,7 @@
 """The incident card's cause verdict, op line and reproduction bundle, and the
 run list's cause line (issues 14 and 15), in headless Chromium.
 
-The page is the built bundle (tb_nanwatch/static/) served by a small HTTP
+The page is the built bundle (tb_nanwatch/board/static/) served by a small HTTP
 server that answers the plugin's routes with fixture JSON written here to the
 contract of docs/routes.md plus the `cause`, `bundle` and `op` keys: a growth
 overflow with its bundle and op, an explosion without NaN, an unknown cause,
@@ -29,7 +29,7 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 
-STATIC = Path(__file__).resolve().parents[1] / "tb_nanwatch" / "static"
+STATIC = Path(__file__).resolve().parents[1] / "tb_nanwatch" / "board" / "static"
 PAGE = b"""<!doctype html><html><head><meta charset="utf-8"></head><body>
 <script type="module">import { render } from "./index.js"; render();</script></body></html>"""
 
@@ -616,7 +616,7 @@ def test_view_helpers_in_node():
 def test_card_in_tensorboards_iframe_with_intercepted_routes(browser, tmp_path):  # noqa: F811
     """The real plugin iframe (its <base>, its permissions policy), with
     the new keys added to TensorBoard's own `incident` and `runs` answers."""
-    from tb_nanwatch.synthetic import write_synthetic_run
+    from tb_nanwatch.record.synthetic import write_synthetic_run
 
     write_synthetic_run(str(tmp_path / "logs" / "broken"), steps=60, num_layers=3, incident_step=40)
 

@@ -1,7 +1,7 @@
 """causes.py: the cause verdict on runs whose cause is fixed by construction.
 
 Every run goes through the real journal, the event files, TensorBoard's loader
-and the reader, then :func:`tb_nanwatch.causes.diagnose`. Each cause id has a
+and the reader, then :func:`tb_nanwatch.evidence.causes.diagnose`. Each cause id has a
 scenario where it is right and a near miss where it must not be given.
 """
 
@@ -18,9 +18,10 @@ import nanwatch_testlib as lib
 import numpy as np
 import pytest
 
-from tb_nanwatch import causes, hints, reader
-from tb_nanwatch.journal import JournalSettings, RunJournal
-from tb_nanwatch.schema import BEFORE_FINAL_ACTIVATION, Schema
+from tb_nanwatch.board import reader
+from tb_nanwatch.evidence import causes, hints
+from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION, Schema
+from tb_nanwatch.record.journal import JournalSettings, RunJournal
 
 LAYERS = ["dense_0", "dense_1", "dense_2", "dense_3"]
 CLEAN_START = {"weights_at_start": {"checked": 8, "nonfinite": []}}
@@ -33,7 +34,7 @@ def make_schema(layers=LAYERS, probabilities: bool = False) -> Schema:
     schema.add("input", "input", "target/y", "target target/y")
     for name in layers:
         schema.add("forward", "activation", name, f"output of {name}")
-    # The recorder's own texts (tb_nanwatch.phase_stats.PhaseStatistics.forward).
+    # The recorder's own texts (tb_nanwatch.record.phase_stats.PhaseStatistics.forward).
     what = f"logits of model output out {BEFORE_FINAL_ACTIVATION}"
     schema.add("forward", "logits", "out", what if probabilities else "model output out")
     schema.add("loss", "loss", None, "total loss")
@@ -283,7 +284,9 @@ def verdicts(tmp_path_factory):
     source = reader.Source(lib.multiplexer_provider(root), lib.CTX, "")
     found = {}
     for name, run in source.runs().items():
-        record = hints.run_record(run, source.incident(run), source.series(run), source.flight(run))
+        record = reader.run_record(
+            run, source.incident(run), source.series(run), source.flight(run)
+        )
         found[name] = (causes.diagnose(record), run, record)
     return found
 
@@ -409,7 +412,7 @@ def test_describe_a_healthy_run():
 
 def test_causes_needs_no_tensorflow_and_keeps_the_function_limits():
     code = (
-        "import sys\nimport tb_nanwatch.causes\n"
+        "import sys\nimport tb_nanwatch.evidence.causes\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]\n"
         "assert not bad, bad[:5]\n"
     )
@@ -422,7 +425,7 @@ def test_causes_needs_no_tensorflow_and_keeps_the_function_limits():
 
 
 def test_the_incident_card_bundle_entry(tmp_path):
-    from tb_nanwatch import views
+    from tb_nanwatch.board import views
 
     listing = reader.RunListing("exp/run1", {})
     summary = {"steps": 4, "repro_bundle": "repro/step_000000003", "repro_bundle_exact": True}

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from nanwatch_testlib import CTX, multiplexer_provider
 
-from tb_nanwatch import crash_safety, reader
-from tb_nanwatch.journal import JournalSettings, RunJournal
-from tb_nanwatch.synthetic import build_schema
+from tb_nanwatch.board import reader
+from tb_nanwatch.record import crash_safety
+from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.synthetic import build_schema
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

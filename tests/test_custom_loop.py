@@ -13,7 +13,7 @@ import tensorflow as tf
 from scenarios import origin, train_custom_loop
 
 import tb_nanwatch
-from tb_nanwatch.callback import NonFiniteError
+from tb_nanwatch.record.callback import NonFiniteError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from nanwatch_testlib import base_vector
 
-from tb_nanwatch import diagnosis, reader, report, views
-from tb_nanwatch.journal import JournalSettings, RunJournal
-from tb_nanwatch.synthetic import build_schema
+from tb_nanwatch.board import reader, report, views
+from tb_nanwatch.evidence import diagnosis
+from tb_nanwatch.evidence.recorded import Flight
+from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.synthetic import build_schema
 
 SCHEMA = build_schema(3)
 LAYERS = [e.layer for e in SCHEMA.find(kind="activation")]
@@ -53,7 +55,7 @@ def test_an_overflowing_norm_over_finite_elements_is_not_nonfinite():
     vector[grad.index("norm")] = np.inf  # the sum of squares overflowed float32
     assert not diagnosis.entry_nonfinite(vector, grad)
     assert diagnosis.find_origin(SCHEMA, vector) is None
-    heatmap = views.heatmap(reader.Flight(0, vector[None, :], SCHEMA), None)
+    heatmap = views.heatmap(Flight(0, vector[None, :], SCHEMA), None)
     assert heatmap["nonfinite"] == [[0]] * len(heatmap["layers"])
     assert heatmap["grad_norm"][heatmap["layers"].index(LAYERS[1])] == [math.inf]
 
@@ -62,7 +64,7 @@ def test_heatmap_cells_are_nonfinite_exactly_where_the_diagnosis_finds_nonfinite
     vectors = [base_vector(SCHEMA, step) for step in range(4)]
     nan_in(vectors[2], "forward", "activation", LAYERS[1])
     nan_in(vectors[3], "backward", "grad_var", LAYERS[0])
-    heatmap = views.heatmap(reader.Flight(0, np.stack(vectors), SCHEMA), None)
+    heatmap = views.heatmap(Flight(0, np.stack(vectors), SCHEMA), None)
     for row, layer in zip(heatmap["nonfinite"], heatmap["layers"], strict=True):
         owned = [e for e in SCHEMA.diagnosed() if e.layer == layer and e.kind != "logits"]
         expected = [int(any(diagnosis.entry_nonfinite(v, e) for e in owned)) for v in vectors]

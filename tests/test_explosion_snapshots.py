@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import nanwatch_testlib as lib
 
-from tb_nanwatch import journal
+from tb_nanwatch.record import journal
 
 ONSET = 100
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS, XSS_RUN, canvas_ink
 
-from tb_nanwatch import cli, export
-from tb_nanwatch.synthetic import write_synthetic_run
+from tb_nanwatch import cli
+from tb_nanwatch.board import export
+from tb_nanwatch.record.synthetic import write_synthetic_run
 
 TIMEOUT_MS = 30_000
 STEPS, INCIDENT, LAYER = 3000, 2500, 3

@@ -12,7 +12,7 @@ from nanwatch_testlib import is_chunk_call, op_types_run, traced_graphs, watched
 from scenarios import fit, origin
 
 import tb_nanwatch
-from tb_nanwatch import lazy_counts, step_stats
+from tb_nanwatch.record import lazy_counts, step_stats
 
 # Ops tf2xla lowers through an MLIR pipeline of their own, one op at a time.
 MLIR_LOWERED = {"IsNan", "IsInf", "IsFinite"}
@@ -275,7 +275,7 @@ def test_no_addn_of_more_than_two_inputs_in_the_step_graph(tmp_path):
     # AddN of more than two inputs, and rewrites some into a temporary
     # variable with one AssignAdd per input (seconds on a ResNet50).
 
-    from tb_nanwatch import phase_stats
+    from tb_nanwatch.record import phase_stats
 
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))

@@ -1,4 +1,4 @@
-"""The committed frontend bundle (tb_nanwatch/static/) is fresh and self-contained.
+"""The committed frontend bundle (tb_nanwatch/board/static/) is fresh and self-contained.
 
 Freshness: when npm and frontend/node_modules exist, the build is run into a
 temporary directory and compared byte-for-byte with the committed files. CI
@@ -20,7 +20,7 @@ from nanwatch_testlib import run_node_module
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONTEND = ROOT / "frontend"
-STATIC = ROOT / "tb_nanwatch" / "static"
+STATIC = ROOT / "tb_nanwatch" / "board" / "static"
 BUNDLE_FILES = ("index.js", "style.css")
 
 
@@ -63,7 +63,7 @@ def test_bundle_is_not_stale(tmp_path):
         built = (out / name).read_bytes()
         committed = (STATIC / name).read_bytes()
         assert built == committed, (
-            f"tb_nanwatch/static/{name} is stale: rebuild with "
+            f"tb_nanwatch/board/static/{name} is stale: rebuild with "
             "`cd frontend && npm ci && npm run build` and commit the result"
         )
 

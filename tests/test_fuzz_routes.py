@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nanwatch_testlib import PLUGIN, make_client, multiplexer_provider, write_named_run
 
-from tb_nanwatch import plugin
-from tb_nanwatch.synthetic import write_synthetic_run
+from tb_nanwatch.board import plugin
+from tb_nanwatch.record.synthetic import write_synthetic_run
 
 HOSTILE_RUN = "<script>alert('run')</script>"
 HOSTILE_LAYER = "<img src=x onerror=alert('layer')>"

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from nanwatch_testlib import base_vector
 
-from tb_nanwatch import hints
-from tb_nanwatch.reader import Flight, Series
-from tb_nanwatch.synthetic import build_schema
+from tb_nanwatch.evidence import hints
+from tb_nanwatch.evidence.recorded import Flight, Series
+from tb_nanwatch.record.synthetic import build_schema
 
 SCHEMA = build_schema(3)
 LAYERS = [e.layer for e in SCHEMA.find(kind="activation")]

@@ -33,11 +33,12 @@ from nanwatch_testlib import (
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.record_writer import masked_crc32c
 
-from tb_nanwatch import cli, metadata
-from tb_nanwatch.event_writer import RunWriter
-from tb_nanwatch.journal import JournalSettings, RunJournal
-from tb_nanwatch.report import load_provider
-from tb_nanwatch.synthetic import build_schema, write_synthetic_run
+from tb_nanwatch import cli
+from tb_nanwatch.board.report import load_provider
+from tb_nanwatch.evidence import metadata
+from tb_nanwatch.record.event_writer import RunWriter, summary_metadata
+from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.synthetic import build_schema, write_synthetic_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OK_STATUSES = {200, 400, 404}
@@ -204,9 +205,7 @@ def test_corrupted_and_garbage_event_files(tmp_path, caplog):
         wall_time=float("nan"),
         summary=summary_pb2.Summary(
             value=[
-                summary_pb2.Summary.Value(
-                    tag=metadata.TAG_RUN, metadata=metadata.create_summary_metadata("run")
-                )
+                summary_pb2.Summary.Value(tag=metadata.TAG_RUN, metadata=summary_metadata("run"))
             ]
         ),
     )
@@ -319,7 +318,7 @@ def test_crafted_broken_payloads_of_other_tags(tmp_path, caplog):
 
 
 def _text_tensor(text: str):
-    from tb_nanwatch.event_writer import _string_tensor
+    from tb_nanwatch.record.event_writer import _string_tensor
 
     return _string_tensor(text)
 
@@ -422,8 +421,8 @@ WRITER = r"""
 import os, sys, time, types
 sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
 import numpy as np
-from tb_nanwatch.journal import JournalSettings, RunJournal
-from tb_nanwatch.synthetic import build_schema
+from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.synthetic import build_schema
 
 logdir, tag = sys.argv[1], sys.argv[2]
 schema = build_schema(3)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from nanwatch_testlib import CTX, base_vector, multiplexer_provider
 
-from tb_nanwatch import reader
-from tb_nanwatch.journal import JournalSettings, RunJournal
-from tb_nanwatch.synthetic import build_schema
+from tb_nanwatch.board import reader
+from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.synthetic import build_schema
 
 SCHEMA = build_schema(3)
 

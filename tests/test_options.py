@@ -9,7 +9,7 @@ import keras
 import pytest
 
 import tb_nanwatch
-from tb_nanwatch.session import MAX_WINDOW
+from tb_nanwatch.record.session import MAX_WINDOW
 
 BAD_OPTIONS = [
     ("flush_secs", math.nan),

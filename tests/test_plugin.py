@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nanwatch_testlib import BIG_INCIDENT, PLUGIN, XSS_RUN, get_json
 
-from tb_nanwatch import metadata, plugin, reader
-from tb_nanwatch.plugin import MAX_MAX_POINTS
-from tb_nanwatch.synthetic import write_synthetic_run
+from tb_nanwatch.board import plugin, reader
+from tb_nanwatch.board.plugin import MAX_MAX_POINTS
+from tb_nanwatch.evidence import metadata
+from tb_nanwatch.record.synthetic import write_synthetic_run
 
 FUTURE_RUN = "future"
 PROVIDERS = ["multiplexer", "data_server"]
@@ -108,7 +109,7 @@ def test_hostile_run_name_comes_back_as_plain_json_string(client):
 
 def test_newer_format_run_is_skipped_with_one_warning(py_client, caplog):
     reader._warned.clear()
-    with caplog.at_level(logging.WARNING, logger="tb_nanwatch.reader"):
+    with caplog.at_level(logging.WARNING, logger="tb_nanwatch.board.reader"):
         for _ in range(3):
             body = get_json(py_client, f"{PLUGIN}/runs")
             assert FUTURE_RUN not in [r["run"] for r in body["runs"]]
@@ -266,7 +267,7 @@ def test_unexpected_failure_is_logged_and_answered_without_500(py_client, monkey
         raise RuntimeError("disk on fire")
 
     monkeypatch.setattr(reader, "load_series", boom)
-    with caplog.at_level(logging.ERROR, logger="tb_nanwatch.plugin"):
+    with caplog.at_level(logging.ERROR, logger="tb_nanwatch.board.plugin"):
         body = get_json(py_client, f"{PLUGIN}/timeline?run=big", status=400)
     assert "disk on fire" in body["error"]
     assert any("disk on fire" in r.getMessage() or r.exc_info for r in caplog.records)

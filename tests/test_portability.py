@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from nanwatch_testlib import PLUGIN, get_json, make_client, multiplexer_provider
 
-from tb_nanwatch import bundle, cli
-from tb_nanwatch.synthetic import write_synthetic_run
+from tb_nanwatch import cli
+from tb_nanwatch.record import bundle
+from tb_nanwatch.record.synthetic import write_synthetic_run
 
 RUNS = ("incident", "nested/healthy")
 

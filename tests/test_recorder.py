@@ -112,7 +112,7 @@ def test_a_healthy_xla_step_copies_nothing_for_the_pre_step_copy_or_the_batch_st
     # update then writes in place: the watched step copied more than the
     # step alone. As a loop run zero times or once, with the update waiting
     # for it, nothing is copied until an incident.
-    from tb_nanwatch import lazy_counts
+    from tb_nanwatch.record import lazy_counts
 
     x, y = tf.ones((8, 8)), tf.ones((8, 1))
     traced_in_xla = []
@@ -229,7 +229,7 @@ def test_every_step_copy_gives_an_exact_update_phase_bundle(tmp_path):
 )
 def test_same_diagnosis_where_min_and_max_may_drop_nan(build, tmp_path, monkeypatch):
     # On a device whose min/max ignore NaN the activations' trigger is their sum.
-    from tb_nanwatch import step_stats
+    from tb_nanwatch.record import step_stats
 
     monkeypatch.setattr(step_stats, "_MINMAX_PROPAGATES_NAN", False)
     _, watch, truth, _ = fit(build, tmp_path)
@@ -237,7 +237,7 @@ def test_same_diagnosis_where_min_and_max_may_drop_nan(build, tmp_path, monkeypa
 
 
 def test_our_readers_run_before_the_steps_own_consumers():
-    from tb_nanwatch import phase_stats
+    from tb_nanwatch.record import phase_stats
 
     ops = {}
 
@@ -259,7 +259,7 @@ def test_our_readers_run_before_the_steps_own_consumers():
 
 
 def test_held_if_non_finite_lets_go_of_a_healthy_tensor():
-    from tb_nanwatch import lazy_counts
+    from tb_nanwatch.record import lazy_counts
 
     @tf.function
     def held(x):
@@ -278,7 +278,7 @@ def test_held_if_non_finite_lets_go_of_a_healthy_tensor():
 def test_same_diagnosis_when_every_tensor_is_let_go_of(build, tmp_path, monkeypatch):
     # These scenarios' tensors are small, so by default the counts read them
     # directly; here every one goes through held_if_non_finite.
-    from tb_nanwatch import lazy_counts
+    from tb_nanwatch.record import lazy_counts
 
     monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 0)
     _, watch, truth, _ = fit(build, tmp_path)
@@ -294,10 +294,10 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(
     # then, and ReluGrad and the optimizer could no longer write into it.
     # Under XLA no conditional takes them at all: their counts are results of
     # the reduction that takes their statistic (step_stats.counted_in_pass).
-    from tb_nanwatch import phase_stats
+    from tb_nanwatch.record import phase_stats
 
     keras.utils.set_random_seed(0)
-    from tb_nanwatch import lazy_counts
+    from tb_nanwatch.record import lazy_counts
 
     monkeypatch.setattr(lazy_counts, "XLA_MAX_CONDITIONALS", 1000)  # one entry a conditional
     # Tensors large enough to be let go of (see HOLD_MIN_ELEMENTS), and a few small ones.
@@ -349,7 +349,7 @@ def _is_our_conditional(op) -> bool:
     """A conditional of the statistics, or a call of an XLA chunk's conditional
     (whose first input is the chunk's first trigger); not a conditional on a
     constant, which only shares a function's lowering and which XLA takes away."""
-    from tb_nanwatch import phase_stats
+    from tb_nanwatch.record import phase_stats
 
     if op.type in ("If", "StatelessIf") and op.inputs[0].op.type == "Const":
         return False  # a function lowered once for XLA (step_stats._lowered_once), not a branch
@@ -368,7 +368,7 @@ def _ancestors(op, limit: int = 500) -> set:
 
 
 def test_rare_cond_stays_a_functional_if_and_takes_either_branch():
-    from tb_nanwatch import step_stats
+    from tb_nanwatch.record import step_stats
 
     ifs = []
 
@@ -386,7 +386,7 @@ def test_rare_cond_stays_a_functional_if_and_takes_either_branch():
 
 
 def test_fit_hands_the_row_over_with_the_step_outputs(tmp_path, monkeypatch):
-    from tb_nanwatch import device_record
+    from tb_nanwatch.record import device_record
 
     reads = []
     read = device_record._read
@@ -411,6 +411,6 @@ def test_fit_hands_the_row_over_with_the_step_outputs(tmp_path, monkeypatch):
 def test_our_ops_are_told_apart_by_their_scope(name, ours):
     from types import SimpleNamespace
 
-    from tb_nanwatch import phase_stats
+    from tb_nanwatch.record import phase_stats
 
     assert phase_stats.is_ours(SimpleNamespace(name=name)) is ours

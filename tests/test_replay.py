@@ -17,8 +17,9 @@ import pytest
 import tensorflow as tf
 
 import tb_nanwatch
-from tb_nanwatch import bundle as bundle_module
-from tb_nanwatch import cli, replay
+from tb_nanwatch import cli
+from tb_nanwatch.record import bundle as bundle_module
+from tb_nanwatch.record import replay
 
 BATCH = 4
 STEPS = 6

@@ -15,9 +15,10 @@ import pytest
 import tensorflow as tf
 
 import tb_nanwatch
-from tb_nanwatch import bundle as bundle_module
-from tb_nanwatch import cli, replay, session
-from tb_nanwatch.callback import NonFiniteError
+from tb_nanwatch import cli
+from tb_nanwatch.record import bundle as bundle_module
+from tb_nanwatch.record import replay, session
+from tb_nanwatch.record.callback import NonFiniteError
 
 BATCH = 4
 STEPS = 6

@@ -13,7 +13,7 @@ import nanwatch_testlib as lib
 import pytest
 
 from tb_nanwatch import cli
-from tb_nanwatch.synthetic import write_synthetic_run
+from tb_nanwatch.record.synthetic import write_synthetic_run
 
 RUN_KEYS = {"run", "steps", "first_nonfinite", "explosion", "skipped_steps", "cause"}
 INCIDENT_KEYS = {"step", "phase", "layer", "tensor", "kind", "op"}
@@ -178,8 +178,8 @@ def test_op_and_bad_rows_of_an_input_incident(tmp_path):
     """The op line under the layer, and the bundle's bad rows, when recorded."""
     import numpy as np
 
-    from tb_nanwatch.journal import JournalSettings, RunJournal
-    from tb_nanwatch.synthetic import build_schema
+    from tb_nanwatch.record.journal import JournalSettings, RunJournal
+    from tb_nanwatch.record.synthetic import build_schema
 
     run_dir = tmp_path / "run"
     schema = build_schema(2)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from nanwatch_testlib import PLUGIN, get_json, make_client, multiplexer_provider
 
-from tb_nanwatch import plugin, views
-from tb_nanwatch.reader import Flight
-from tb_nanwatch.synthetic import build_schema, write_synthetic_run
+from tb_nanwatch.board import plugin, views
+from tb_nanwatch.evidence.recorded import Flight
+from tb_nanwatch.record.synthetic import build_schema, write_synthetic_run
 
 MAX_ANSWER_BYTES = 2_000_000
 LONG_STEPS = 3 * plugin.MAX_MAX_POINTS + 5

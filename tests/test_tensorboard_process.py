@@ -9,7 +9,7 @@ import nanwatch_testlib as lib
 import pytest
 from nanwatch_testlib import BIG_INCIDENT, XSS_RUN
 
-from tb_nanwatch.plugin import MAX_MAX_POINTS
+from tb_nanwatch.board.plugin import MAX_MAX_POINTS
 
 STARTUP_TIMEOUT = 120.0
 

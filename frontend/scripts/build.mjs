@@ -1,7 +1,7 @@
-// Bundles frontend/src into tb_nanwatch/static/{index.js,style.css}.
+// Bundles frontend/src into tb_nanwatch/board/static/{index.js,style.css}.
 //
 // Output directory: first CLI argument, else $NANWATCH_STATIC_OUT, else
-// ../tb_nanwatch/static. The output is deterministic (no timestamps, no
+// ../tb_nanwatch/board/static. The output is deterministic (no timestamps, no
 // absolute paths), so `npm ci && npm run build` reproduces the committed files.
 import { build } from "esbuild";
 import path from "node:path";
@@ -9,7 +9,7 @@ import { fileURLToPath } from "node:url";
 
 const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..");
 const outdir = path.resolve(
-  process.argv[2] || process.env.NANWATCH_STATIC_OUT || path.join(root, "..", "tb_nanwatch", "static"),
+  process.argv[2] || process.env.NANWATCH_STATIC_OUT || path.join(root, "..", "tb_nanwatch", "board", "static"),
 );
 
 const common = {

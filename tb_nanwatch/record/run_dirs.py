@@ -22,7 +22,7 @@ import threading
 
 import tensorflow as tf
 
-from tb_nanwatch.event_writer import EVENT_FILE_SUFFIX
+from tb_nanwatch.record.event_writer import EVENT_FILE_SUFFIX
 
 logger = logging.getLogger("tb_nanwatch")
 

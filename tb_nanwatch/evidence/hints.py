@@ -8,15 +8,13 @@ that support it as ``evidence``. A hint is
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 
 import numpy as np
 
-from tb_nanwatch import diagnosis
-from tb_nanwatch.reader import Flight, Run, Series
-from tb_nanwatch.schema import Schema
+from tb_nanwatch.evidence import diagnosis
+from tb_nanwatch.evidence.recorded import Record, Series
 
 # (a) logits rising: at least this many consecutive increases, growing this much;
 # or, for noisy series, a steady trend: over the last TREND_STEPS finite steps
@@ -36,45 +34,6 @@ MIN_BASELINE_STEPS = 10
 SATURATED_LOGIT = 15.0
 # (g) explosion: the signal's peak after onset vs its median before.
 EXPLOSION_CONFIRM_RATIO = 10.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Record:
-    """Everything a hint rule may look at."""
-
-    schema: Schema
-    incident: dict | None
-    explosion: dict | None = None
-    series: Series | None = None
-    flight: Flight | None = None
-    summary: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def step(self) -> int | None:
-        if not self.incident or not isinstance(self.incident.get("step"), int):
-            return None
-        return self.incident["step"]
-
-    @property
-    def phase(self) -> str | None:
-        return (self.incident or {}).get("phase")
-
-    def vector(self, step: int) -> np.ndarray | None:
-        return self.flight.vector(step) if self.flight is not None else None
-
-
-def run_record(
-    run: Run, incident: dict | None, series: Series | None, flight: Flight | None
-) -> Record:
-    """The record of a run as read (the plugin's incident route and the report)."""
-    return Record(
-        schema=run.schema,
-        incident=incident,
-        explosion=run.summary.get("explosion"),
-        series=series,
-        flight=flight,
-        summary=run.summary,
-    )
 
 
 def clean_evidence(evidence: dict) -> dict:

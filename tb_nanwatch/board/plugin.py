@@ -22,7 +22,8 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from tb_nanwatch import causes, hints, metadata, reader, views
+from tb_nanwatch.board import reader, views
+from tb_nanwatch.evidence import causes, hints, metadata
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ class NanWatchPlugin(base_plugin.TBPlugin):
         series = source.series(run, self._series_cache)
         if series is None:
             raise _not_found(f"the series of run {run.name!r} could not be read")
-        record = hints.run_record(run, incident, series, flight)
+        record = reader.run_record(run, incident, series, flight)
         return {
             "run": run.name,
             "incident": incident,
@@ -268,9 +269,9 @@ class NanWatchPlugin(base_plugin.TBPlugin):
         run with an incident (what the other causes need is in the summary)."""
         try:
             if not run.summary.get("first_nonfinite"):
-                return causes.diagnose(hints.run_record(run, None, None, None))
+                return causes.diagnose(reader.run_record(run, None, None, None))
             series = source.series(run, self._series_cache)
-            record = hints.run_record(run, source.incident(run), series, source.flight(run))
+            record = reader.run_record(run, source.incident(run), series, source.flight(run))
             return causes.diagnose(record)
         except Exception:  # noqa: BLE001 - one run's odd record must not hide the list
             logger.warning("nanwatch: no cause for run %r", run.name, exc_info=True)

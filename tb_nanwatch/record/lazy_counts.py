@@ -5,7 +5,7 @@ and, at trace time, three ops per tensor and kind. A healthy step needs
 neither: every count is 0 there. So a count is a :class:`LazyCount`, a
 promise rather than ops: its source tensors and a *trigger*, one float32
 scalar the entry computes anyway that is non-finite whenever a source holds a
-NaN or an Inf. :meth:`~tb_nanwatch.step_stats.StatsBuilder.vector` checks
+NaN or an Inf. :meth:`~tb_nanwatch.record.step_stats.StatsBuilder.vector` checks
 every trigger at once and computes all the counts, with :func:`exact_counts`,
 in one rarely taken ``tf.cond`` branch.
 

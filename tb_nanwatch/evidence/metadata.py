@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import json
 
-from tensorboard.compat.proto import summary_pb2
-
 PLUGIN_NAME = "nanwatch"
 FORMAT_VERSION = 1
 
@@ -58,17 +56,11 @@ def layers_tag(step: int) -> str:
     return f"{TAG_LAYERS_PREFIX}{step:010d}"
 
 
-def create_summary_metadata(kind: str) -> summary_pb2.SummaryMetadata:
-    """Returns the metadata for a NaN Watch summary of the given kind."""
+def plugin_content(kind: str) -> bytes:
+    """The plugin content of a NaN Watch summary of the given kind."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    content = json.dumps({"version": FORMAT_VERSION, "kind": kind}).encode("utf-8")
-    return summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(
-            plugin_name=PLUGIN_NAME, content=content
-        ),
-        data_class=summary_pb2.DATA_CLASS_TENSOR,
-    )
+    return json.dumps({"version": FORMAT_VERSION, "kind": kind}).encode("utf-8")
 
 
 def parse_plugin_content(content: bytes) -> dict:

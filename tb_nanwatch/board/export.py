@@ -23,7 +23,9 @@ import json
 import os
 from urllib.parse import urlencode
 
-from tb_nanwatch import __version__, metadata, plugin
+from tb_nanwatch import __version__
+from tb_nanwatch.board import plugin
+from tb_nanwatch.evidence import metadata
 
 DEFAULT_MAX_POINTS = plugin.MAX_MAX_POINTS  # the most the timeline route answers
 DEFAULT_MAX_STEP_TABLES = 64
@@ -159,7 +161,7 @@ def export(
 ) -> dict:
     """Writes the HTML file; returns a summary ``{"runs": [...], "bytes": n}``."""
     if data_provider is None:
-        from tb_nanwatch import report
+        from tb_nanwatch.board import report
 
         data_provider = report.load_provider(logdir)
     data = collect(

@@ -4,7 +4,7 @@
 into the entries of the per-step vector, in diagnosis order: the header, then
 one method per phase (input, forward, loss, backward, update). The tensor
 statistics themselves (NaN/Inf counts, extremes, norms, the cross-replica
-reduction) are :mod:`tb_nanwatch.step_stats`'.
+reduction) are :mod:`tb_nanwatch.record.step_stats`'.
 
 Every op the statistics add is created under the name scope ``STATS_SCOPE``,
 and :func:`readers_first` orders the step's own consumers of a watched tensor
@@ -21,9 +21,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tb_nanwatch import io_names, lazy_counts, step_stats
-from tb_nanwatch.schema import BEFORE_FINAL_ACTIVATION
-from tb_nanwatch.taps import LayerTaps, StepTrace
+from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION
+from tb_nanwatch.record import io_names, lazy_counts, step_stats
+from tb_nanwatch.record.taps import LayerTaps, StepTrace
 
 # Every op the statistics add to the step graph is created under this scope.
 STATS_SCOPE = "nanwatch_stats"
@@ -97,7 +97,7 @@ def watchable_input(value: Any) -> tuple[tf.Tensor | None, str]:
 
 
 class PhaseStatistics:
-    """Adds each phase's entries to a :class:`~tb_nanwatch.step_stats.StatsBuilder`."""
+    """Adds each phase's entries to a :class:`~tb_nanwatch.record.step_stats.StatsBuilder`."""
 
     def __init__(self, taps: LayerTaps) -> None:
         self.taps = taps
@@ -109,7 +109,7 @@ class PhaseStatistics:
         """The header, input, forward, loss and backward entries of one step.
 
         Each entry's fields are given to ``builder`` as a function: a
-        :class:`~tb_nanwatch.step_stats.SchemaOnlyBuilder` never calls it.
+        :class:`~tb_nanwatch.record.step_stats.SchemaOnlyBuilder` never calls it.
         """
         builder = builder if builder is not None else step_stats.StatsBuilder()
         if builder.records_values:

@@ -10,7 +10,7 @@ summed squares.
 Cost: on a CPU every small op costs microseconds of executor time, so the
 statistics are built from as few ops as possible, each one full pass at most:
 
-* Exact NaN and Inf *counts* are lazy (:mod:`tb_nanwatch.lazy_counts`): each
+* Exact NaN and Inf *counts* are lazy (:mod:`tb_nanwatch.record.lazy_counts`): each
   is a source list and a *trigger*, one float32 scalar that is non-finite
   whenever a source holds a NaN or an Inf. :meth:`StatsBuilder.vector` checks
   all triggers at once and computes the exact counts, in one ``tf.cond``
@@ -49,9 +49,9 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import gen_functional_ops
 
-from tb_nanwatch import lazy_counts
-from tb_nanwatch.lazy_counts import LazyCount, TakenCount, scalar_total
-from tb_nanwatch.schema import Schema
+from tb_nanwatch.evidence.schema import Schema
+from tb_nanwatch.record import lazy_counts
+from tb_nanwatch.record.lazy_counts import LazyCount, TakenCount, scalar_total
 
 try:  # XLA's own ops (one reduction with two results); TensorFlow has no public name for them.
     from tensorflow.compiler.tf2xla.python import xla
@@ -354,7 +354,7 @@ _IN_PASS_MAX_ELEMENTS = 2**31 - 1
 def counted_in_pass(t: tf.Tensor) -> bool:
     """Whether the NaN and Inf counts of ``t`` are exact results of the
     reduction that takes its statistic (under XLA, for a float tensor of
-    known size): two :class:`~tb_nanwatch.lazy_counts.TakenCount`.
+    known size): two :class:`~tb_nanwatch.record.lazy_counts.TakenCount`.
 
     Lazy counts cost XLA a conditional for every few tensors, each compiled
     with its branch and its triggers: about 3 s of a transformer's first

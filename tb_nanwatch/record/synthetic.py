@@ -1,6 +1,6 @@
 """Writes synthetic NaN Watch runs, without TensorFlow, for benchmarks and tests.
 
-The run goes through the real :class:`~tb_nanwatch.journal.RunJournal`, so its
+The run goes through the real :class:`~tb_nanwatch.record.journal.RunJournal`, so its
 files are exactly what a watched training run writes.
 """
 
@@ -10,8 +10,8 @@ import dataclasses
 
 import numpy as np
 
-from tb_nanwatch.journal import JournalSettings, RunJournal
-from tb_nanwatch.schema import BEFORE_FINAL_ACTIVATION, Schema
+from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION, Schema
+from tb_nanwatch.record.journal import JournalSettings, RunJournal
 
 
 def build_schema(num_layers: int, num_inputs: int = 1) -> Schema:

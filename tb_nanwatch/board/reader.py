@@ -3,7 +3,7 @@
 Works the same on the Python loader (``MultiplexerDataProvider``) and on the
 Rust data server (``GrpcDataProvider``), and imports no TensorFlow. Every
 NaN Watch tag is read by its *latest* value only (the one value TensorBoard's
-ingestion sampling always keeps), see :mod:`tb_nanwatch.metadata`.
+ingestion sampling always keeps), see :mod:`tb_nanwatch.evidence.metadata`.
 
 Unreadable runs (bad plugin content, a newer format version, malformed JSON or
 arrays) are skipped with one ``logging.warning`` line per run and reason; the
@@ -24,8 +24,9 @@ import numpy as np
 from tensorboard import errors
 from tensorboard.data import provider
 
-from tb_nanwatch import metadata
-from tb_nanwatch.schema import Schema
+from tb_nanwatch.evidence import metadata
+from tb_nanwatch.evidence.recorded import Flight, Record, Series
+from tb_nanwatch.evidence.schema import Schema
 
 logger = logging.getLogger(__name__)
 
@@ -92,48 +93,6 @@ class RunListing:
     def fingerprint(self, tags: list[str]) -> tuple:
         """Changes whenever one of ``tags`` gets a new value."""
         return tuple((t, self.tags[t].max_step, self.tags[t].max_wall_time) for t in tags)
-
-
-@dataclasses.dataclass(frozen=True)
-class Series:
-    """The compact per-step series of a run: one row per recorded step."""
-
-    steps: np.ndarray  # int64 [n], strictly increasing
-    columns: dict[str, np.ndarray]  # float32 [n] each
-
-    def __len__(self) -> int:
-        return int(self.steps.shape[0])
-
-    def index_of(self, step: int) -> int | None:
-        i = int(np.searchsorted(self.steps, step))
-        if i < len(self) and int(self.steps[i]) == step:
-            return i
-        return None
-
-    def value(self, column: str, step: int) -> float | None:
-        i = self.index_of(step)
-        if i is None or column not in self.columns:
-            return None
-        return float(self.columns[column][i])
-
-
-@dataclasses.dataclass(frozen=True)
-class Flight:
-    """The flight-recorder window: full stats vectors of consecutive steps."""
-
-    first_step: int
-    matrix: np.ndarray  # float32 [W, schema.size]
-    schema: Schema
-
-    @property
-    def steps(self) -> list[int]:
-        return list(range(self.first_step, self.first_step + self.matrix.shape[0]))
-
-    def vector(self, step: int) -> np.ndarray | None:
-        i = step - self.first_step
-        if 0 <= i < self.matrix.shape[0]:
-            return self.matrix[i]
-        return None
 
 
 # -- decoding ---------------------------------------------------------------
@@ -550,3 +509,17 @@ class Source:
         if step not in run.listing.snapshot_steps():
             return None
         return load_layers(self.data_provider, self.ctx, self.experiment_id, run, step)
+
+
+def run_record(
+    run: Run, incident: dict | None, series: Series | None, flight: Flight | None
+) -> Record:
+    """The record of a run as read (the plugin's incident route and the report)."""
+    return Record(
+        schema=run.schema,
+        incident=incident,
+        explosion=run.summary.get("explosion"),
+        series=series,
+        flight=flight,
+        summary=run.summary,
+    )

@@ -13,7 +13,7 @@ replays the step.
 The model may travel with the bundle (``save_model``: ``model.keras`` beside
 it, or the reason it could not be saved in ``bundle.json``), so that
 ``tb-nanwatch replay RUN_DIR`` works on a run dir someone sent; the replay's
-answer is written beside it as ``replay.json`` (``tb_nanwatch.replay``).
+answer is written beside it as ``replay.json`` (``tb_nanwatch.record.replay``).
 """
 
 from __future__ import annotations

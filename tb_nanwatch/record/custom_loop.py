@@ -1,6 +1,6 @@
 """NanWatch for custom training loops: :class:`StepWatcher`.
 
-The same record as the :class:`~tb_nanwatch.callback.NanWatch` callback (input,
+The same record as the :class:`~tb_nanwatch.record.callback.NanWatch` callback (input,
 every layer's output, the logits, the loss, the gradient w.r.t. every layer's
 output and input, every variable's gradient before the update, the weights
 after it), the same diagnosis, the same event files, incident and
@@ -49,11 +49,11 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tb_nanwatch.journal import RunJournal
-from tb_nanwatch.phase_stats import StepInputs
-from tb_nanwatch.recorder import PendingStep, StepRecorder
-from tb_nanwatch.run_dirs import RunPlacement
-from tb_nanwatch.session import (
+from tb_nanwatch.record.journal import RunJournal
+from tb_nanwatch.record.phase_stats import StepInputs
+from tb_nanwatch.record.recorder import PendingStep, StepRecorder
+from tb_nanwatch.record.run_dirs import RunPlacement
+from tb_nanwatch.record.session import (
     NonFiniteError,
     WatchOptions,
     WatchSession,
@@ -63,7 +63,7 @@ from tb_nanwatch.session import (
     loss_from_logits,
     positive_int,
 )
-from tb_nanwatch.taps import StepTrace
+from tb_nanwatch.record.taps import StepTrace
 
 __all__ = ["StepWatcher", "StepRecording", "NonFiniteError"]
 
@@ -84,13 +84,13 @@ class StepWatcher:
             compiled function (the device buffer holds one row per step).
         on_nonfinite, window, max_consecutive_skips, min_loss_scale,
         snapshot_every, flush_secs, pre_step_weights, explosion_factor: as
-            for :class:`~tb_nanwatch.callback.NanWatch`. With ``"stop"``,
+            for :class:`~tb_nanwatch.record.callback.NanWatch`. With ``"stop"``,
             :meth:`end_step` returns True; with ``"raise"`` it raises
-            :class:`~tb_nanwatch.callback.NonFiniteError`.
+            :class:`~tb_nanwatch.record.callback.NonFiniteError`.
         loss_fn: optional ``loss_fn(y, y_pred)``, your loop's loss: when
             training stops, the incident's step is replayed with it from its
             bundle to name the op and the source line (see
-            :mod:`tb_nanwatch.replay`); without it only the forward pass is
+            :mod:`tb_nanwatch.record.replay`); without it only the forward pass is
             replayed.
     """
 

@@ -42,8 +42,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_nanwatch.bundle import REPLAY_FILE, ReproBundle
-from tb_nanwatch.taps import layer_paths
+from tb_nanwatch.record.bundle import REPLAY_FILE, ReproBundle
+from tb_nanwatch.record.taps import layer_paths
 
 LossFn = Callable[..., Any]
 _CHECK_MARKER = "Detected Infinity or NaN"

@@ -1,8 +1,8 @@
 """The host side of a watched run: diagnosis, flight recorder and event files.
 
 The compiled step hands over one float32 vector per training step (laid out by
-a :class:`~tb_nanwatch.schema.Schema`). The journal turns that stream into the
-on-disk record described in :mod:`tb_nanwatch.metadata`. It needs no
+a :class:`~tb_nanwatch.evidence.schema.Schema`). The journal turns that stream into the
+on-disk record described in :mod:`tb_nanwatch.evidence.metadata`. It needs no
 TensorFlow, so the same code serves the Keras callback, the custom-loop API and
 the synthetic-run generator of the benchmark.
 """
@@ -19,9 +19,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tb_nanwatch import causes, crash_safety, diagnosis, hints, metadata, reader
-from tb_nanwatch.event_writer import RunWriter
-from tb_nanwatch.schema import Schema
+from tb_nanwatch.evidence import causes, diagnosis, metadata, recorded
+from tb_nanwatch.evidence.schema import Schema
+from tb_nanwatch.record import crash_safety
+from tb_nanwatch.record.event_writer import RunWriter
 
 SERIES_BASE_COLUMNS = (
     "loss",
@@ -83,7 +84,7 @@ class JournalSettings:
 class RunJournal:
     """Receives per-step stats vectors and keeps the run's record on disk.
 
-    Each step is judged by a :class:`~tb_nanwatch.diagnosis.RunDiagnosis`;
+    Each step is judged by a :class:`~tb_nanwatch.evidence.diagnosis.RunDiagnosis`;
     the journal keeps what it decides (first incident, explosion onset,
     skipped steps) and writes it with the series.
     """
@@ -136,7 +137,7 @@ class RunJournal:
         self.repro_bundle: str | None = None
         self.repro_bundle_exact: bool | None = None
         self._last_flush = time.monotonic()
-        # -- crash safety (see tb_nanwatch.crash_safety) --
+        # -- crash safety (see tb_nanwatch.record.crash_safety) --
         self._lock = threading.RLock()
         # Steps submitted to the background worker, not recorded yet (see submit).
         self._queued: collections.deque = collections.deque()
@@ -158,7 +159,7 @@ class RunJournal:
         when it cannot be the run's incident.
 
         A step that may be the run's incident (see
-        :meth:`~tb_nanwatch.diagnosis.RunDiagnosis.may_be_incident`) is
+        :meth:`~tb_nanwatch.evidence.diagnosis.RunDiagnosis.may_be_incident`) is
         recorded now, after every queued step, and its incident returned.
         Any other step is queued and recorded by a worker thread, which runs
         while the next train step computes (TensorFlow releases the GIL):
@@ -326,16 +327,16 @@ class RunJournal:
     def cause(self) -> dict | None:
         """The cause verdict from what is in memory (the flight window, the
         current series chunk, the summary): for the console message at the
-        incident, see :func:`tb_nanwatch.causes.describe`."""
+        incident, see :func:`tb_nanwatch.evidence.causes.describe`."""
         steps, window = self.flight_window()
-        flight = reader.Flight(int(steps[0]), window, self.schema) if len(steps) else None
+        flight = recorded.Flight(int(steps[0]), window, self.schema) if len(steps) else None
         series = None
         if self._chunk_rows:
             rows = np.stack(self._chunk_rows)
             columns = {name: rows[:, i] for i, name in enumerate(self.series_columns)}
             first = self._chunk_start
-            series = reader.Series(np.arange(first, first + len(rows), dtype=np.int64), columns)
-        record = hints.Record(
+            series = recorded.Series(np.arange(first, first + len(rows), dtype=np.int64), columns)
+        record = recorded.Record(
             self.schema, self.first_nonfinite, self.explosion_onset, series, flight, self.summary()
         )
         return causes.diagnose(record)
@@ -407,7 +408,7 @@ class RunJournal:
         self.writer.close()
         self._wake.put(None)  # the worker, if any, ends
 
-    # -- crash safety (used by tb_nanwatch.crash_safety) ---------------------
+    # -- crash safety (used by tb_nanwatch.record.crash_safety) ---------------------
 
     @property
     def dirty(self) -> bool:

@@ -42,11 +42,11 @@ import sys
 
 import keras
 
-from tb_nanwatch import train_step
-from tb_nanwatch.journal import RunJournal
-from tb_nanwatch.recorder import StepRecorder
-from tb_nanwatch.run_dirs import RunPlacement
-from tb_nanwatch.session import (
+from tb_nanwatch.record import train_step
+from tb_nanwatch.record.journal import RunJournal
+from tb_nanwatch.record.recorder import StepRecorder
+from tb_nanwatch.record.run_dirs import RunPlacement
+from tb_nanwatch.record.session import (
     NonFiniteError,
     WatchOptions,
     WatchSession,

@@ -1,6 +1,6 @@
 """Builds the JSON bodies of the plugin routes from parsed run data.
 
-Pure functions over :mod:`tb_nanwatch.reader` objects, see ``docs/routes.md``.
+Pure functions over :mod:`tb_nanwatch.board.reader` objects, see ``docs/routes.md``.
 Values are plain Python (``.tolist()``/``float()``), so TensorBoard's
 ``Respond`` turns NaN/Inf into ``"NaN"``/``"Infinity"`` strings.
 """
@@ -13,9 +13,10 @@ import posixpath
 
 import numpy as np
 
-from tb_nanwatch import diagnosis
-from tb_nanwatch.reader import Flight, Run, Series
-from tb_nanwatch.schema import Entry, Schema
+from tb_nanwatch.board.reader import Run
+from tb_nanwatch.evidence import diagnosis
+from tb_nanwatch.evidence.recorded import Flight, Series
+from tb_nanwatch.evidence.schema import Entry, Schema
 
 # Columns whose most extreme value is the smallest one.
 MIN_COLUMNS = frozenset({"logit_min"})
@@ -47,7 +48,7 @@ def max_abs(low: float, high: float) -> float:
 
 
 def run_entry(run: Run, cause: dict | None = None) -> dict:
-    """One element of the ``runs`` route; ``cause`` from :mod:`tb_nanwatch.causes`."""
+    """One element of the ``runs`` route; ``cause`` from :mod:`tb_nanwatch.evidence.causes`."""
     summary = run.summary
     return {
         "run": run.name,

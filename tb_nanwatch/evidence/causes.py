@@ -29,22 +29,25 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tb_nanwatch import diagnosis, hints
-from tb_nanwatch.hints import SATURATED_LOGIT, Record
-from tb_nanwatch.schema import Entry
+from tb_nanwatch.evidence import diagnosis, hints
+from tb_nanwatch.evidence.hints import SATURATED_LOGIT
+from tb_nanwatch.evidence.recorded import Record
+from tb_nanwatch.evidence.schema import Entry
 
-CAUSE_IDS = (
-    "nonfinite_weights",
-    "input_data",
-    "growth_overflow",
-    "fp16_overflow",
-    "forward_math",
-    "loss_math",
-    "backward_math",
-    "optimizer_update",
-    "explosion",
-    "unknown",
-)
+# A short label for each cause id, in the order the tab lists them.
+CAUSE_LABELS = {
+    "nonfinite_weights": "Weights already NaN/Inf before the step",
+    "input_data": "Bad input data",
+    "growth_overflow": "Overflow after growth",
+    "fp16_overflow": "float16 overflow",
+    "forward_math": "Math error in the forward pass",
+    "loss_math": "Math error in the loss",
+    "backward_math": "Math error in the backward pass",
+    "optimizer_update": "Optimizer update broke the weights",
+    "explosion": "Explosion (no NaN/Inf yet)",
+    "unknown": "Unknown cause",
+}
+CAUSE_IDS = tuple(CAUSE_LABELS)
 
 FLOAT16_MAX = 65504.0
 # A recorded |x| this close to float16's largest value makes an Inf under
@@ -280,7 +283,7 @@ def growth_candidates(case: _Case) -> list[dict]:
     """Signals above the explosion line at the incident step, earliest onset
     first: the series (loss, gradient norm, logits) and the flight window
     (those and every layer's max |x|) replayed through the one explosion rule
-    (:class:`~tb_nanwatch.diagnosis.ExplosionDetector`)."""
+    (:class:`~tb_nanwatch.evidence.diagnosis.ExplosionDetector`)."""
     factor = case.rec.summary.get("explosion_factor", 1e3)
     factor = factor if isinstance(factor, (int, float)) and factor > 10 else 1e3
     found: list[dict] = []

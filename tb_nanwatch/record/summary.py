@@ -3,8 +3,8 @@
 Public API (``tb_nanwatch.summary``). Unlike a TensorBoard plugin's usual
 ``summary.py``, which writes the plugin's own data, this module writes
 ordinary scalars for TensorBoard's Scalars dashboard; the NaN Watch tab's
-data is recorded by :class:`~tb_nanwatch.callback.NanWatch` and
-:class:`~tb_nanwatch.custom_loop.StepWatcher`, not by these.
+data is recorded by :class:`~tb_nanwatch.record.callback.NanWatch` and
+:class:`~tb_nanwatch.record.custom_loop.StepWatcher`, not by these.
 
 Each function computes its statistics with plain TensorFlow ops (float32, no
 ``check_numerics``, no ``py_function``), writes them as ordinary scalar
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tb_nanwatch import step_stats
-from tb_nanwatch.lazy_counts import scalar_total
+from tb_nanwatch.record import step_stats
+from tb_nanwatch.record.lazy_counts import scalar_total
 
 __all__ = ["finite_check", "logit_extremes", "grad_norms"]
 

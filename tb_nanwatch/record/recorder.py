@@ -1,12 +1,12 @@
 """The in-graph half of NanWatch, for both front ends: one train step, recorded.
 
 :class:`StepRecorder` composes the three parts a watched step needs: the
-layer taps (:mod:`tb_nanwatch.taps`, which tensors are watched), the
-statistics of each phase (:mod:`tb_nanwatch.phase_stats`) and the device
-record (:mod:`tb_nanwatch.device_record`: ring buffer, batch stash, pre-step
+layer taps (:mod:`tb_nanwatch.record.taps`, which tensors are watched), the
+statistics of each phase (:mod:`tb_nanwatch.record.phase_stats`) and the device
+record (:mod:`tb_nanwatch.record.device_record`: ring buffer, batch stash, pre-step
 weight copies, the one host read). The Keras train step
-(:mod:`tb_nanwatch.train_step`) and the custom-loop handle
-(:class:`~tb_nanwatch.custom_loop.StepRecording`) call
+(:mod:`tb_nanwatch.record.train_step`) and the custom-loop handle
+(:class:`~tb_nanwatch.record.custom_loop.StepRecording`) call
 :meth:`~StepRecorder.before_update` before the optimizer's update and
 :meth:`~StepRecorder.after_update` after it.
 """
@@ -19,11 +19,11 @@ import weakref
 import keras
 import tensorflow as tf
 
-from tb_nanwatch import step_stats
-from tb_nanwatch.device_record import DeviceRecord
-from tb_nanwatch.phase_stats import STATS_SCOPE, PhaseStatistics, StepInputs, readers_first
-from tb_nanwatch.schema import FIELDS, Schema
-from tb_nanwatch.taps import LayerTaps, StepTrace
+from tb_nanwatch.evidence.schema import FIELDS, Schema
+from tb_nanwatch.record import step_stats
+from tb_nanwatch.record.device_record import DeviceRecord
+from tb_nanwatch.record.phase_stats import STATS_SCOPE, PhaseStatistics, StepInputs, readers_first
+from tb_nanwatch.record.taps import LayerTaps, StepTrace
 
 
 @dataclasses.dataclass

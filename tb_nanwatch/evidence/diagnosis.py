@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tb_nanwatch.schema import Entry, Schema
+from tb_nanwatch.evidence.schema import Entry, Schema
 
 
 def is_nonfinite(nan_count: float, inf_count: float) -> bool:
@@ -117,7 +117,7 @@ UNRECORDED_ORIGIN = {
 @dataclasses.dataclass(frozen=True)
 class IncidentRules:
     """When a step is an incident (the watcher's options, defaults in
-    :class:`~tb_nanwatch.journal.JournalSettings`)."""
+    :class:`~tb_nanwatch.record.journal.JournalSettings`)."""
 
     # A streak of this many steps skipped by the loss scaler is an incident,
     # dated at its first step (0: skips alone never are).

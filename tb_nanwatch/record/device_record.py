@@ -25,9 +25,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops
 
-from tb_nanwatch import lazy_counts, step_stats
-from tb_nanwatch.schema import Schema
-from tb_nanwatch.unseen_variables import hidden_from_tf_function
+from tb_nanwatch.evidence.schema import Schema
+from tb_nanwatch.record import lazy_counts, step_stats
+from tb_nanwatch.record.unseen_variables import hidden_from_tf_function
 
 # Sequence numbers are stored in float32: keep them exactly representable.
 SEQ_MODULO = 1 << 23

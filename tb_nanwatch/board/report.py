@@ -1,10 +1,10 @@
 """A text or JSON report of the NaN Watch runs in a log directory.
 
-The log directory is walked by :mod:`tb_nanwatch.logdir_walk` (which survives
+The log directory is walked by :mod:`tb_nanwatch.board.logdir_walk` (which survives
 unreadable directories, symlink cycles and FIFOs), each run is read by
 TensorBoard's own loader (``EventMultiplexer`` with TensorBoard's default
 sampling, wrapped in ``MultiplexerDataProvider``), then through
-:mod:`tb_nanwatch.reader`, exactly as the plugin reads it.
+:mod:`tb_nanwatch.board.reader`, exactly as the plugin reads it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import os
 import numpy as np
 from tensorboard import context
 
-from tb_nanwatch import causes, diagnosis, hints, logdir_walk, reader
+from tb_nanwatch.board import logdir_walk, reader
+from tb_nanwatch.evidence import causes, diagnosis, hints
+from tb_nanwatch.evidence.recorded import Record
 
 EXPERIMENT_ID = ""
 logger = logging.getLogger(__name__)
@@ -172,14 +174,14 @@ def build_report(
     return {"runs": body}, runs
 
 
-def run_record(source: reader.Source, run: reader.Run) -> hints.Record:
+def run_record(source: reader.Source, run: reader.Run) -> Record:
     """What the hints and the cause read of one run."""
     incident = source.incident(run)
-    return hints.run_record(run, incident, source.series(run), source.flight(run))
+    return reader.run_record(run, incident, source.series(run), source.flight(run))
 
 
 def run_cause(source: reader.Source, run: reader.Run, logdir: str | None = None) -> dict | None:
-    """The cause verdict of one run (see :mod:`tb_nanwatch.causes`)."""
+    """The cause verdict of one run (see :mod:`tb_nanwatch.evidence.causes`)."""
     try:
         record = run_record(source, run)
         batch = None

@@ -16,10 +16,20 @@ from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 
-from tb_nanwatch import metadata
+from tb_nanwatch.evidence import metadata
 
 # The suffix of every event file NanWatch writes (how a run dir is known to hold a record).
 EVENT_FILE_SUFFIX = ".nanwatch"
+
+
+def summary_metadata(kind: str) -> summary_pb2.SummaryMetadata:
+    """The metadata of a NaN Watch summary of the given kind (a TENSOR-class summary)."""
+    return summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(
+            plugin_name=metadata.PLUGIN_NAME, content=metadata.plugin_content(kind)
+        ),
+        data_class=summary_pb2.DATA_CLASS_TENSOR,
+    )
 
 
 def json_dumps(value: object) -> str:
@@ -51,7 +61,7 @@ class RunWriter:
             value=[
                 summary_pb2.Summary.Value(
                     tag=tag,
-                    metadata=metadata.create_summary_metadata(kind),
+                    metadata=summary_metadata(kind),
                     tensor=tensor,
                 )
             ]

@@ -1,11 +1,11 @@
 """One watched training run, shared by both front ends.
 
-:class:`~tb_nanwatch.callback.NanWatch` (``fit``) and
-:class:`~tb_nanwatch.custom_loop.StepWatcher` (custom training loops) are thin
+:class:`~tb_nanwatch.record.callback.NanWatch` (``fit``) and
+:class:`~tb_nanwatch.record.custom_loop.StepWatcher` (custom training loops) are thin
 adapters around a :class:`WatchSession`, which owns everything they have in
 common: the options (validated once, :class:`WatchOptions`), turning the rows
 the compiled step wrote into the on-disk record (a
-:class:`~tb_nanwatch.journal.RunJournal`, one device read per execution), the
+:class:`~tb_nanwatch.record.journal.RunJournal`, one device read per execution), the
 incident (reproduction bundle, console message, stop / raise / continue),
 the report of layers it cannot watch, disabling itself on its own failure
 (one ``RuntimeWarning``, training goes on) and the final status.
@@ -34,12 +34,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_nanwatch import bundle, causes, crash_safety, replay
-from tb_nanwatch.device_record import PRE_STEP_WEIGHTS
-from tb_nanwatch.event_writer import RunWriter
-from tb_nanwatch.journal import JournalSettings, RunJournal
-from tb_nanwatch.recorder import StepRecorder
-from tb_nanwatch.run_dirs import RunPlacement
+from tb_nanwatch.evidence import causes
+from tb_nanwatch.record import bundle, crash_safety, replay
+from tb_nanwatch.record.device_record import PRE_STEP_WEIGHTS
+from tb_nanwatch.record.event_writer import RunWriter
+from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.recorder import StepRecorder
+from tb_nanwatch.record.run_dirs import RunPlacement
 
 logger = logging.getLogger("tb_nanwatch")
 
@@ -296,7 +297,7 @@ class WatchSession:
 
     ``release`` undoes the front end's instrumentation; the session calls it
     when it stops watching (its own failure, ``"raise"``). ``placement`` is
-    the watcher's :class:`~tb_nanwatch.run_dirs.RunPlacement`: the session
+    the watcher's :class:`~tb_nanwatch.record.run_dirs.RunPlacement`: the session
     writes to its next stage dir.
     """
 
