@@ -20,7 +20,7 @@ Parts:
     python bench/ablate.py resnet50 --without counts
     python bench/ablate.py transformer --without copy,stash --jit --steps 10
 
-bench/RESULTS.md, round 13, has what these measured.
+bench/history/RESULTS-history.md has what these measured; docs/xla.md the design they bear on.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("counts", "copy", "stash", "holds")
 # The function whose rare conditional each part is (see ``without``).
 _CONDITIONAL_OF = {
-    "counts": "_sum_vector",
+    "counts": "lazy_count_values",
     "copy": "copy_pre_step_weights",
     "stash": "write_row",
 }
@@ -48,7 +48,8 @@ def without(parts) -> Iterator[None]:
     """NanWatch's step, traced while this is active, lacks ``parts`` (see the module docstring)."""
     import tensorflow as tf
 
-    from tb_nanwatch.record import lazy_counts, step_stats
+    from tb_nanwatch.record.stats.graph import GraphStats
+    from tb_nanwatch.record.stats.xla import XlaStats
 
     parts = set(parts)
     unknown = parts - set(PARTS)
@@ -57,39 +58,54 @@ def without(parts) -> Iterator[None]:
             f"--without: unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}"
         )
     callers = {_CONDITIONAL_OF[p] for p in parts if p in _CONDITIONAL_OF}
-    rare_cond, rare_assign = step_stats.rare_cond, step_stats.rare_assign
-
-    def ablated_rare_cond(pred, true_fn, false_fn):
-        # Called from the function that owns the conditional: a healthy step's branch, inline.
-        if sys._getframe(1).f_code.co_name in callers:
-            return false_fn()
-        return rare_cond(pred, true_fn, false_fn)
-
-    def ablated_rare_assign(pred, assign, carry=()):
-        # A healthy step assigns nothing.
-        if sys._getframe(1).f_code.co_name in callers:
-            return list(carry)
-        return rare_assign(pred, assign, carry)
-
-    replaced = [
-        (step_stats, "rare_cond", ablated_rare_cond),
-        (step_stats, "rare_assign", ablated_rare_assign),
-    ]
+    replaced = []
+    for backend in (GraphStats, XlaStats):
+        replaced += [
+            (backend, "rare_cond", _ablated_rare_cond(backend.rare_cond, callers)),
+            (backend, "rare_assign", _ablated_rare_assign(backend.rare_assign, callers)),
+        ]
     if "counts" in parts:
         replaced.append(
-            (lazy_counts, "counts_in_chunks", lambda counts, phases=None: tf.zeros([len(counts)]))
+            (
+                XlaStats,
+                "counts_in_chunks",
+                lambda self, counts, phases=None: tf.zeros([len(counts)]),
+            )
         )
-        replaced.append((step_stats, "counted_in_pass", lambda t: False))
+        replaced.append((XlaStats, "counted_in_pass", lambda self, t: False))
     if "holds" in parts:
-        replaced.append((lazy_counts, "held_if_non_finite", lambda t, trigger_value: t))
-    saved = [(module, name, getattr(module, name)) for module, name, _ in replaced]
-    for module, name, value in replaced:
-        setattr(module, name, value)
+        replaced.append((GraphStats, "held_if_non_finite", lambda self, t, trigger_value: t))
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in replaced]
+    for owner, name, value in replaced:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
+        for owner, name, value in reversed(saved):
+            if value is None:  # inherited: back to the base class's
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+def _ablated_rare_cond(rare_cond, callers: set):
+    def ablated(self, pred, true_fn, false_fn):
+        # Called from the function that owns the conditional: a healthy step's branch, inline.
+        if sys._getframe(1).f_code.co_name in callers:
+            return false_fn()
+        return rare_cond(self, pred, true_fn, false_fn)
+
+    return ablated
+
+
+def _ablated_rare_assign(rare_assign, callers: set):
+    def ablated(self, pred, assign, carry=()):
+        # A healthy step assigns nothing.
+        if sys._getframe(1).f_code.co_name in callers:
+            return list(carry)
+        return rare_assign(self, pred, assign, carry)
+
+    return ablated
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ class FloorRecorder:
 
     With ``exact_counts`` (the ``floor_counts`` variant) the row also holds
     the exact NaN and Inf count of every one of those tensors, each sum its
-    trigger, lazy as NanWatch builds them without XLA (``tb_nanwatch.record.lazy_counts``:
+    trigger, lazy as NanWatch's statistics backend builds them without XLA (``GraphStats``:
     held and counted in one rare conditional; under XLA a few at a time, as
     NanWatch counted before it took the counts in its statistics' own pass):
     what lazy exact counts cost on top of the floor, without NanWatch's other
@@ -65,8 +65,9 @@ class FloorRecorder:
         import tensorflow as tf
         import worker
 
-        from tb_nanwatch.record import lazy_counts
+        from tb_nanwatch.record.stats import backend
 
+        self._stats = backend.for_current_graph()  # as NanWatch's, once a step
         tensors = worker.floor_reads(inputs.trace, inputs.grads, inputs.y_pred)
         sums = [tf.reduce_sum(t) for t in tensors]
         self._counts = []
@@ -74,7 +75,7 @@ class FloorRecorder:
             for t, total in zip(tensors, sums, strict=True):
                 if t.dtype.is_floating:
                     trigger = tf.cast(total, tf.float32)
-                    self._counts += lazy_counts.transient_counts_of([t], trigger).values()
+                    self._counts += self._stats.transient_counts_of([t], trigger).values()
         # As NanWatch's PendingStep: the step applies weight_gradients.
         return types.SimpleNamespace(
             sums=sums, weight_gradients=inputs.grads[: len(inputs.weights)]
@@ -97,26 +98,20 @@ class FloorRecorder:
         for v, total in zip(weights, weight_sums, strict=True):
             if v.dtype.is_floating:
                 counts += lazy_counts.counts_of([v], tf.cast(total, tf.float32)).values()
-        return tf.concat([row, _exact_counts(counts)], 0)
+        return tf.concat([row, _exact_counts(self._stats, counts)], 0)
 
     def hand_over(self, row) -> None:
         row.numpy()
 
 
-def _exact_counts(counts: list):
-    """Every lazy count of ``counts``, as NanWatch's step computes them."""
+def _exact_counts(stats, counts: list):
+    """Every lazy count of ``counts``, as NanWatch's step computes them
+    (``stats``: the step's statistics backend)."""
     import tensorflow as tf
 
-    from tb_nanwatch.record import lazy_counts
-    from tb_nanwatch.record.step_stats import rare_cond
-
-    if lazy_counts.in_xla():
-        return lazy_counts.counts_in_chunks(counts)
     triggers = list({id(c.trigger): c.trigger for c in counts}.values())
-    return rare_cond(
-        tf.logical_not(lazy_counts.all_finite(triggers)),
-        lambda: lazy_counts.exact_counts(counts),
-        lambda: tf.zeros([len(counts)], tf.float32),
+    return stats.lazy_count_values(
+        counts, [""] * len(counts), lambda: tf.logical_not(stats.all_finite(triggers))
     )
 
 

@@ -293,30 +293,37 @@ def setup_tool(tool: str, workdir: str) -> tuple[list, dict]:
     raise ValueError(f"unknown tool {tool!r}")
 
 
+def _zero_fields(patch: str) -> None:
+    """One kind of entry's statistics replaced by zeros, in both statistics backends."""
+    import tensorflow as tf
+
+    from tb_nanwatch.record.stats.backend import StatsBackend
+    from tb_nanwatch.record.stats.graph import GraphStats
+    from tb_nanwatch.record.stats.xla import XlaStats
+
+    def zeros(*names):
+        return lambda self, *args, **kwargs: {k: tf.constant(0.0) for k in names}
+
+    method, fields = {
+        "notensorstats": ("tensor_fields", ("nan", "inf", "min", "max")),
+        "nogradstats": ("gradient_fields", ("nan", "inf", "norm")),
+    }.get(patch, ("value_fields", ("nan", "inf")))
+    for backend in (GraphStats, XlaStats):
+        setattr(backend, method, zeros(*fields))
+    if method != "tensor_fields":  # XLA's *_each forms share passes; the base's call each one
+        setattr(XlaStats, f"{method}_each", getattr(StatsBackend, f"{method}_each"))
+
+
 def apply_patches(patches: list[str]) -> None:
     """Profiling experiments: switch parts of NanWatch off to price them."""
-    import tensorflow as tf
 
     for patch in patches:
         if patch == "before":  # another copy of the package (NWBENCH_BEFORE_PATH)
             sys.path.insert(0, os.environ["NWBENCH_BEFORE_PATH"])
             sys.modules.pop("tb_nanwatch", None)
-        elif patch == "nocounts":  # weights' nan/inf counts after the update replaced by 0
-            from tb_nanwatch.record import step_stats
-
-            step_stats.value_fields = lambda t: {"nan": tf.constant(0.0), "inf": tf.constant(0.0)}
-        elif patch in ("notensorstats", "nogradstats", "noweightcounts"):
-            from tb_nanwatch.record import step_stats
-
-            zero = lambda: tf.constant(0.0)  # noqa: E731
-            if patch == "notensorstats":
-                step_stats.tensor_fields = lambda ts: {
-                    k: zero() for k in ("nan", "inf", "min", "max")
-                }
-            elif patch == "nogradstats":
-                step_stats.gradient_fields = lambda gs: {k: zero() for k in ("nan", "inf", "norm")}
-            else:
-                step_stats.value_fields = lambda t: {"nan": zero(), "inf": zero()}
+        elif patch in ("nocounts", "notensorstats", "nogradstats", "noweightcounts"):
+            # nocounts, noweightcounts: weights' nan/inf counts after the update replaced by 0
+            _zero_fields(patch)
         elif patch == "nohost":  # no host-side work after the step (no fetch, no journal)
             from tb_nanwatch.record import callback
 

@@ -27,8 +27,9 @@ from werkzeug import test as werkzeug_test
 
 from tb_nanwatch.board.plugin import NanWatchPlugin
 from tb_nanwatch.evidence import metadata
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import Schema
-from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.synthetic import build_schema, write_synthetic_run
 
 BIG_STEPS = 5000
@@ -72,7 +73,7 @@ def write_fast_series_run(log_dir: str, steps: int, num_layers: int = 4) -> dict
     """A long healthy run written chunk by chunk (the journal's own format),
     much faster than recording step by step."""
     schema = build_schema(num_layers)
-    journal = RunJournal(log_dir, schema, {"model": "fast"}, JournalSettings(flush_secs=1e9))
+    journal = RunJournal(log_dir, schema, {"model": "fast"}, WatchOptions(flush_secs=1e9))
     width = len(journal.series_columns)
     rng = np.random.default_rng(0)
     for start in range(0, steps, metadata.CHUNK_STEPS):
@@ -118,7 +119,7 @@ def write_vector_run(
     schema)`` may change each vector. Stops at the first incident."""
     schema = build_schema(num_layers)
     journal = RunJournal(
-        log_dir, schema, {"model": "vectors"}, JournalSettings(flush_secs=1e9, **journal_kwargs)
+        log_dir, schema, {"model": "vectors"}, WatchOptions(flush_secs=1e9, **journal_kwargs)
     )
     status = "finished"
     for step in range(steps):
@@ -190,6 +191,12 @@ def make_client(provider, logdir: str) -> werkzeug_test.Client:
     tb_context = base_plugin.TBContext(data_provider=provider, logdir=logdir, sampling_hints={})
     app = application.TensorBoardWSGI([NanWatchPlugin(tb_context)], data_provider=provider)
     return werkzeug_test.Client(app)
+
+
+def route_client(logdir) -> werkzeug_test.Client:
+    """A test client of the NaN Watch routes over ``logdir``, read by TensorBoard's Python loader."""
+    logdir = str(logdir)
+    return make_client(multiplexer_provider(logdir), logdir)
 
 
 def get_json(client: werkzeug_test.Client, url: str, status: int = 200):
@@ -361,7 +368,7 @@ def report_json(log_dir) -> list[dict]:
 
 def is_chunk_call(op) -> bool:
     """Whether graph op ``op`` calls an XLA chunk's traced count conditional
-    (``lazy_counts._chunk_counts``): its inputs are the chunk's triggers, then
+    (``XlaStats._chunk_counts``): its inputs are the chunk's triggers, then
     its tensors."""
     return op.type in ("PartitionedCall", "StatefulPartitionedCall") and (
         "chunk" in op.get_attr("f").name
@@ -394,16 +401,21 @@ _CALLS = ("PartitionedCall", "StatefulPartitionedCall")
 _CONDITIONALS = ("If", "StatelessIf")
 
 
-def watched_mse_step(watcher, model, optimizer, jit_compile: bool = False, on_trace=None):
-    """A custom loop's train step (mean squared error) watched by the
-    StepWatcher ``watcher``, as a tf.function; ``on_trace()`` runs at the end
-    of its trace (to look at the graph)."""
+def watched_step(watcher, model, optimizer, loss_fn=None, *, jit_compile=False, on_trace=None):
+    """A custom loop's train step watched by the StepWatcher ``watcher``, as a
+    tf.function: ``loss_fn(y, y_pred)`` (recorded with ``y_pred``), or the mean
+    squared error without it; ``on_trace()`` runs at the end of its trace (to
+    look at the graph)."""
     import tensorflow as tf
 
     @tf.function(jit_compile=jit_compile)
     def train_step(x, y):
         with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
-            loss = rec.loss(tf.reduce_mean((model(x, training=True) - y) ** 2))
+            y_pred = model(x, training=True)
+            if loss_fn is None:
+                loss = rec.loss(tf.reduce_mean((y_pred - y) ** 2))
+            else:
+                loss = rec.loss(loss_fn(y, y_pred), y_pred=y_pred)
         grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         rec.after_update()
@@ -414,9 +426,14 @@ def watched_mse_step(watcher, model, optimizer, jit_compile: bool = False, on_tr
     return train_step
 
 
+def watched_mse_step(watcher, model, optimizer, jit_compile: bool = False, on_trace=None):
+    """:func:`watched_step` with the mean squared error."""
+    return watched_step(watcher, model, optimizer, jit_compile=jit_compile, on_trace=on_trace)
+
+
 def op_types_run(graph) -> list[str]:
     """The op type of every op of ``graph``, where a call of a function and a
-    conditional on a constant (``step_stats._lowered_once``, which XLA takes
+    conditional on a constant (``XlaStats._lowered_once``, which XLA takes
     away) count as the ops of the function they run, recursively."""
     library = {f.signature.name: f for f in graph.as_graph_def().library.function}
 

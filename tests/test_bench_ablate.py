@@ -48,14 +48,18 @@ def test_without_counts_only_the_loss_sees_the_nan(jit_compile, tmp_path):
 
 
 def test_the_parts_come_back_and_unknown_parts_are_named(tmp_path):
-    from tb_nanwatch.record import lazy_counts, step_stats
+    from tb_nanwatch.record.stats.graph import GraphStats
+    from tb_nanwatch.record.stats.xla import XlaStats
 
     def current() -> tuple:
         return (
-            step_stats.rare_cond,
-            step_stats.rare_assign,
-            lazy_counts.counts_in_chunks,
-            lazy_counts.held_if_non_finite,
+            GraphStats.rare_cond,
+            GraphStats.rare_assign,
+            XlaStats.rare_cond,
+            XlaStats.rare_assign,
+            XlaStats.counts_in_chunks,
+            XlaStats.counted_in_pass,
+            GraphStats.held_if_non_finite,
         )
 
     before = current()
@@ -71,13 +75,15 @@ def test_without_holds_the_counts_take_each_tensor_as_it_is():
     import tensorflow as tf
 
     from tb_nanwatch.record import lazy_counts
+    from tb_nanwatch.record.stats.graph import GraphStats
 
     sources = {}
 
     @tf.function
     def step(x):
         trigger = tf.reduce_sum(x)
-        sources[len(sources)] = lazy_counts.transient_counts_of([x], trigger)["nan"].sources[0]
+        counts = GraphStats().transient_counts_of([x], trigger)
+        sources[len(sources)] = counts["nan"].sources[0]
         return trigger
 
     x = tf.zeros([lazy_counts.HOLD_MIN_ELEMENTS])  # large enough to be held

@@ -5,7 +5,9 @@ The page is the built bundle (tb_nanwatch/board/static/) served by a small HTTP
 server that answers the plugin's routes with fixture JSON written here to the
 contract of docs/routes.md plus the `cause`, `bundle` and `op` keys: a growth
 overflow with its bundle and op, an explosion without NaN, an unknown cause,
-an older run without the new keys, a healthy run, and hostile strings.
+a cause only the served vocabulary knows, an older run without the new keys, a
+healthy run, and hostile strings. The `vocabulary` route answers Python's
+vocabulary plus that one cause: every label the tab shows is the one it was sent.
 
 Screenshots go to test-artifacts/card-{1024,1600}-{light,dark}.png.
 """
@@ -21,6 +23,9 @@ from pathlib import Path
 import pytest
 from nanwatch_testlib import CHROMIUM, XSS_RUN, run_node_module
 from test_browser import ARTIFACTS, TIMEOUT_MS, Watched, browser, tensorboard  # noqa: F401
+
+from tb_nanwatch.evidence import diagnosis
+from tb_nanwatch.evidence.vocabulary import vocabulary
 
 pytest.importorskip("playwright.sync_api")
 
@@ -66,6 +71,17 @@ UNKNOWN_CAUSE = {
     "evidence": {"loss_before": 0.52, "grad_norm_before": 1.3, "loss_scale": 32768.0},
     "remedies": [],
 }
+NOVEL_LABEL = "A cause only the served vocabulary knows"
+NOVEL_CAUSE = {
+    "id": "novel_cause",
+    "summary": "Something no release of the frontend has heard of.",
+    "evidence": {"onset_step": 8},
+    "remedies": ["Read the label"],
+}
+VOCABULARY = vocabulary()
+VOCABULARY["causes"]["novel_cause"] = NOVEL_LABEL
+LABELS = VOCABULARY["causes"]
+
 HOSTILE_CAUSE = {
     "id": "forward_math",
     "summary": f"{XSS_RUN} made a NaN",
@@ -174,6 +190,7 @@ def _fixture_runs() -> dict[str, dict]:
         "healthy": (None, None, None, 50),
         "legacy": (_incident(25, kind="nan", loss="NaN"), None, None, 26),
         "mixed_precision": (mystery, None, UNKNOWN_CAUSE, 13),
+        "novel_cause": (_incident(9, kind="nan", loss="NaN"), None, NOVEL_CAUSE, 10),
         "resnet_explodes": (None, {"step": 1, "signal": "logits"}, EXPLOSION_CAUSE, 6),
     }
     bundles = {
@@ -237,6 +254,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif route in ("index.js", "style.css"):
             mime = "text/javascript" if route.endswith(".js") else "text/css"
             self._send(200, (STATIC / route).read_bytes(), mime)
+        elif route == "vocabulary":
+            self._json(200, VOCABULARY)
         elif route == "runs":
             self._json(200, {"runs": [RUNS[r]["entry"] for r in sorted(RUNS)]})
         elif route in ("incident", "timeline") and run in RUNS:
@@ -335,7 +354,8 @@ def test_card_leads_with_the_cause_then_evidence_remedies_and_details(tab):
     text = card.inner_text()
     summary = OVERFLOW_CAUSE["summary"]
     assert text.index(summary) < text.index("First Inf at step 37")
-    assert card.locator("[data-field=cause-label]").inner_text() == "Cause: Overflow after growth"
+    label = LABELS["growth_overflow"]
+    assert card.locator("[data-field=cause-label]").inner_text() == f"Cause: {label}"
     assert card.locator("[data-field=cause-summary]").inner_text() == summary
     # Evidence, readable: names without underscores, numbers as elsewhere, lists joined.
     evidence = card.locator(".cause-evidence")
@@ -400,9 +420,8 @@ def test_explosion_only_run_shows_the_explosion_with_its_cause(tab):
     text = card.inner_text()
     assert "Healthy" not in text
     assert card.locator("[data-cause=explosion]").count() == 1
-    assert (
-        card.locator("[data-field=cause-label]").inner_text() == "Cause: Explosion (no NaN/Inf yet)"
-    )
+    label = card.locator("[data-field=cause-label]").inner_text()
+    assert label == f"Cause: {LABELS['explosion']}"
     assert text.index(EXPLOSION_CAUSE["summary"]) < text.index("Explosion from step 1")
     assert _texts(card.locator("ol.remedies > li")) == EXPLOSION_CAUSE["remedies"]
     assert card.locator(".bundle").count() == 0  # null bundle: nothing shown
@@ -420,13 +439,32 @@ def test_unknown_cause_says_so_and_shows_what_was_seen(tab):
     assert card.locator("[data-evidence=loss_scale]").inner_text() == "32768"
     assert card.locator("ol.remedies").count() == 0  # no remedies: no empty list
     # A loss-scaler incident without a recorded origin.
-    assert card.locator(".card-title").inner_text() == "First NaN or Inf at step 12"
-    assert card.locator("[data-field=kind]").inner_text() == "NaN or Inf"
+    kind = diagnosis.KIND_TEXT[diagnosis.UNKNOWN_KIND]
+    assert card.locator(".card-title").inner_text() == f"First {kind} at step 12"
+    assert card.locator("[data-field=kind]").inner_text() == kind
     op = card.locator("[data-field=op]").inner_text()
     assert op.startswith("op AssignSubVariableOp (name Adam/update_2), source line unknown")
     assert "not reproduced by the replay" in op
     assert card.locator("[data-field=bundle-exact]").inner_text() == "exactness not recorded"
     _keep(card, "unknown")
+    assert t.errors == []
+
+
+def test_a_cause_only_the_vocabulary_knows_shows_the_label_it_was_sent(tab):
+    t = tab()
+    card = t.open("novel_cause")
+    assert card.locator(":scope > *").first.get_attribute("data-cause") == "novel_cause"
+    assert card.locator("[data-field=cause-label]").inner_text() == f"Cause: {NOVEL_LABEL}"
+    assert (
+        card.locator(".card-title").inner_text() == f"First {diagnosis.KIND_TEXT['nan']} at step 9"
+    )
+    line = t.page.locator('#run-selector .run-item[data-run="novel_cause"] [data-field=cause]')
+    assert line.get_attribute("title") == f"{NOVEL_LABEL}: {NOVEL_CAUSE['summary']}"
+    # The loss "NaN" of the card's details came back as a number (a timeline mark too).
+    assert card.locator("[data-field=loss]").inner_text() == "NaN"
+    timeline = t.page.locator("#timeline[data-state=ready]")
+    timeline.wait_for(timeout=TIMEOUT_MS)
+    assert int(timeline.get_attribute("data-marks-inside")) >= 1
     assert t.errors == []
 
 
@@ -457,6 +495,7 @@ def test_run_list_shows_each_cause_on_one_ellipsized_line(tab):
         "adam_lr_5": "growth_overflow",
         "custom_log": "forward_math",
         "mixed_precision": "unknown",
+        "novel_cause": "novel_cause",
         "resnet_explodes": "explosion",
     }
     for run in RUNS:
@@ -475,7 +514,7 @@ def test_run_list_shows_each_cause_on_one_ellipsized_line(tab):
         assert metrics["h"] <= metrics["lh"] * 1.5, (run, metrics)
         assert metrics["ellipsis"] == "ellipsis"
     overflow = items.locator('xpath=self::*[@data-run="adam_lr_5"]').locator("[data-field=cause]")
-    assert overflow.inner_text().startswith("Overflow after growth: The loss grew")
+    assert overflow.inner_text().startswith(f"{LABELS['growth_overflow']}: The loss grew")
     assert overflow.evaluate("e => e.scrollWidth > e.clientWidth")  # long: it is cut
     assert t.errors == []
 
@@ -561,11 +600,14 @@ def test_card_fits_and_reads_at_each_width_and_theme(tab, width, dark):
 
 def test_view_helpers_in_node():
     """cause.js and repro_bundle.js helpers, and revive() on the new keys."""
-    script = """
+    script = f"""
+      import {{ useVocabulary, kindLabel }} from "./src/vocabulary.js";
+      useVocabulary({json.dumps(vocabulary())});
+    """
+    script += """
       import { causeLabel, causeLine, evidenceText, evidenceName } from "./src/cause.js";
       import { exactText } from "./src/repro_bundle.js";
       import { revive } from "./src/api.js";
-      import { kindLabel } from "./src/format.js";
       const r = revive({ cause: { id: "unknown", summary: "NaN", remedies: ["Infinity"],
                                    evidence: { x: "NaN", l: [1, "-Infinity"] } },
                          bundle: { path: "NaN", snippet: "Infinity" },
@@ -584,8 +626,9 @@ def test_view_helpers_in_node():
       }));
     """
     out = run_node_module(script)
-    assert out["labels"] == ["Bad input data", "float16 overflow", "brand_new"]
-    assert out["line"] == "Math error in the loss: log(0)." and out["none"] is None
+    labels = vocabulary()["causes"]
+    assert out["labels"] == [labels["input_data"], labels["fp16_overflow"], "brand_new"]
+    assert out["line"] == f"{labels['loss_math']}: log(0)." and out["none"] is None
     assert out["texts"] == [
         "1.000e26",
         "1, NaN, -Inf",
@@ -595,7 +638,7 @@ def test_view_helpers_in_node():
     ]
     assert out["name"] == "onset step"
     assert out["exact"] == ["exact", "not exact", "exactness not recorded"]
-    assert out["kind"] == "NaN or Inf"
+    assert out["kind"] == diagnosis.KIND_TEXT["nonfinite"]
     # Text keys stay text; evidence values are numbers, NaN kept.
     assert out["revived"] == [
         "NaN",
@@ -642,7 +685,7 @@ def test_card_in_tensorboards_iframe_with_intercepted_routes(browser, tmp_path):
             assert card.locator(".card-title").inner_text() == "First NaN at step 40"
             assert _texts(card.locator("ol.remedies > li")) == OVERFLOW_CAUSE["remedies"]
             line = frame.locator('.run-item[data-run="broken"] [data-field=cause]')
-            assert line.inner_text().startswith("Overflow after growth")
+            assert line.inner_text().startswith(LABELS["growth_overflow"])
             iframe = watched.page.locator('iframe[src*="plugin_entry.html?name=nanwatch"]')
             right = iframe.bounding_box()
             box = card.bounding_box()

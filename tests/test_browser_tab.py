@@ -401,13 +401,14 @@ def test_show_layers_scrolls_to_the_table_and_singles_out_the_origin_row(
 
 
 def test_tab_updates_on_tensorboards_reload_while_a_run_is_written(browser, tmp_path):  # noqa: F811
-    from tb_nanwatch.record.journal import JournalSettings, RunJournal
+    from tb_nanwatch.evidence.options import WatchOptions
+    from tb_nanwatch.record.journal import RunJournal
     from tb_nanwatch.record.synthetic import build_schema
 
     logdir = tmp_path / "logs"
     schema = build_schema(3)
     journal = RunJournal(
-        str(logdir / "live"), schema, {"model": "live"}, JournalSettings(flush_secs=1e9)
+        str(logdir / "live"), schema, {"model": "live"}, WatchOptions(flush_secs=1e9)
     )
 
     def record(first: int, last: int) -> None:

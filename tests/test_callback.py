@@ -52,13 +52,6 @@ def test_explosion_without_nan_is_flagged_at_the_learning_rate_jump(tmp_path):
     assert onset["signal"] in ("loss", "grad_norm", "logits")
 
 
-@pytest.fixture
-def mixed_precision():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def test_mixed_precision_skips_are_listed_not_incidents(tmp_path, mixed_precision):
     _, watch, _, _ = fit(scenarios.mixed_precision_skips, tmp_path)
     assert watch.incident is None
@@ -77,8 +70,7 @@ def test_a_streak_of_loss_scaler_skips_is_an_incident(tmp_path, mixed_precision)
     assert "consecutive" in watch.incident["note"]
 
 
-def test_raise_mode_raises_after_writing(tmp_path):
-    keras.utils.set_random_seed(0)
+def test_raise_mode_raises_after_writing(tmp_path, seeded):
     model, kwargs, truth = scenarios.input_nan()
     with pytest.raises(NonFiniteError) as info:
         model.fit(
@@ -202,9 +194,8 @@ def test_a_fit_after_the_watcher_failed_starts_afresh(tmp_path, monkeypatch):
     assert watch.journal.steps == len(kwargs["x"]) // scenarios.BATCH
 
 
-def test_stop_keeps_backup_and_restore_state(tmp_path):
+def test_stop_keeps_backup_and_restore_state(tmp_path, seeded):
     backup_dir = tmp_path / "backup"
-    keras.utils.set_random_seed(0)
     model, kwargs, truth = scenarios.input_nan(nan_step=20, steps=24)
     data = tf.data.Dataset.from_tensor_slices((kwargs["x"], kwargs["y"])).batch(scenarios.BATCH)
     backup = keras.callbacks.BackupAndRestore(str(backup_dir))

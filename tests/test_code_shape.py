@@ -52,7 +52,7 @@ def test_the_check_finds_a_long_function_and_a_wide_one():
 
 
 def test_every_module_is_checked():
-    assert {"record/callback", "evidence/causes", "board/plugin", "cli"} <= set(MODULES)
+    assert {"record/callback", "evidence/causes/__init__", "board/plugin", "cli"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("module", MODULES)

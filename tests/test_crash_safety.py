@@ -20,21 +20,16 @@ import pytest
 from nanwatch_testlib import CTX, multiplexer_provider
 
 from tb_nanwatch.board import reader
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.record import crash_safety
-from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.synthetic import build_schema
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CHILD = r"""
-import os, sys, time
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import numpy as np
-import keras
-import tb_nanwatch
-
-log_dir, mode, steps, nan_step, raise_at = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-BATCH = 8
+# The data and model of a training child: ``steps`` batches of ``BATCH`` rows,
+# a NaN pixel in batch ``nan_step`` (none when negative), a model named MODEL_NAME.
+CHILD_MODEL = r"""
 rng = np.random.RandomState(0)
 x = rng.uniform(0.5, 1.5, (steps * BATCH, 4)).astype("float32")
 if nan_step >= 0:
@@ -42,9 +37,23 @@ if nan_step >= 0:
 y = np.ones((len(x), 1), "float32")
 inp = keras.Input((4,), name="pixels")
 h = keras.layers.Dense(6, activation="relu", name="hidden")(inp)
-model = keras.Model(inp, keras.layers.Dense(1, name="head")(h), name="crash_case")
+model = keras.Model(inp, keras.layers.Dense(1, name="head")(h), name=MODEL_NAME)
 model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-watch = tb_nanwatch.NanWatch(log_dir, on_nonfinite="continue", flush_secs=0.2)
+"""
+
+CHILD = (
+    r"""
+import os, sys, time
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np
+import keras
+import tb_nanwatch
+
+log_dir, mode, steps, nan_step, raise_at = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+BATCH, MODEL_NAME = 8, "crash_case"
+"""
+    + CHILD_MODEL
+    + r"""watch = tb_nanwatch.NanWatch(log_dir, on_nonfinite="continue", flush_secs=0.2)
 
 
 class Pace(keras.callbacks.Callback):
@@ -67,6 +76,7 @@ except RuntimeError:
     time.sleep(120)  # a notebook that lives on after fit raised
 print("done", flush=True)
 """
+)
 
 
 class TrainingChild:
@@ -270,7 +280,7 @@ def _vector(schema, loss=1.0):
 def test_background_flusher_writes_idle_steps(tmp_path):
     schema = build_schema(2)
     journal = RunJournal(
-        str(tmp_path / "run"), schema, {"model": "m"}, JournalSettings(flush_secs=0.1)
+        str(tmp_path / "run"), schema, {"model": "m"}, WatchOptions(flush_secs=0.1)
     )
     try:
         assert journal in crash_safety.open_journals()
@@ -291,7 +301,7 @@ def test_background_flusher_writes_idle_steps(tmp_path):
 def test_flush_due_skips_clean_and_busy_journals(tmp_path):
     schema = build_schema(2)
     journal = RunJournal(
-        str(tmp_path / "run"), schema, {"model": "m"}, JournalSettings(flush_secs=1e9)
+        str(tmp_path / "run"), schema, {"model": "m"}, WatchOptions(flush_secs=1e9)
     )
     try:
         journal.record(0, 0, 0, _vector(schema))
@@ -320,7 +330,7 @@ def test_sigterm_with_a_user_handler_keeps_the_run_open(tmp_path, monkeypatch):
     flusher writes the waiting steps at once, and the run ends "terminated"."""
     schema = build_schema(2)
     journal = RunJournal(
-        str(tmp_path / "run"), schema, {"model": "m"}, JournalSettings(flush_secs=1e9)
+        str(tmp_path / "run"), schema, {"model": "m"}, WatchOptions(flush_secs=1e9)
     )
     journal.record(0, 0, 0, _vector(schema))
     journal.record(1, 0, 1, _vector(schema))

@@ -10,13 +10,14 @@ from nanwatch_testlib import base_vector
 
 from tb_nanwatch.board import reader, report, views
 from tb_nanwatch.evidence import diagnosis
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.recorded import Flight
-from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.synthetic import build_schema
 
 SCHEMA = build_schema(3)
 LAYERS = [e.layer for e in SCHEMA.find(kind="activation")]
-RULES = diagnosis.IncidentRules(max_consecutive_skips=3, min_loss_scale=0.0, explosion_factor=1e3)
+RULES = WatchOptions(max_consecutive_skips=3, min_loss_scale=0.0)
 
 
 def entry(phase: str, kind: str, layer: str | None):
@@ -120,9 +121,7 @@ def test_a_streak_of_finite_skipped_steps_has_no_origin_tensor():
 
 
 def test_a_skipped_step_below_the_loss_scale_floor_is_an_incident_at_that_step():
-    rules = diagnosis.IncidentRules(
-        max_consecutive_skips=0, min_loss_scale=8.0, explosion_factor=1e3
-    )
+    rules = WatchOptions(max_consecutive_skips=0, min_loss_scale=8.0)
     vectors = [skipped(base_vector(SCHEMA, 0), 16.0), skipped(base_vector(SCHEMA, 1), 4.0)]
     nan_in(vectors[1], "loss", "loss", None)
     verdicts = judge_all(vectors, rules)
@@ -133,9 +132,7 @@ def test_a_skipped_step_below_the_loss_scale_floor_is_an_incident_at_that_step()
 
 
 def test_skips_alone_are_no_incident_when_both_rules_are_off():
-    rules = diagnosis.IncidentRules(
-        max_consecutive_skips=0, min_loss_scale=0.0, explosion_factor=1e3
-    )
+    rules = WatchOptions(max_consecutive_skips=0, min_loss_scale=0.0)
     vectors = [
         nan_in(skipped(base_vector(SCHEMA, s)), "input", "input", "input_0") for s in range(30)
     ]
@@ -147,7 +144,7 @@ def test_journal_keeps_what_the_verdicts_decide(tmp_path):
         str(tmp_path),
         SCHEMA,
         {"model": "t"},
-        JournalSettings(max_consecutive_skips=2, flush_secs=1e9),
+        WatchOptions(max_consecutive_skips=2, flush_secs=1e9),
     )
     returned = []
     for step in range(5):
@@ -266,10 +263,12 @@ def test_a_layer_whose_max_abs_explodes_while_the_loss_is_steady():
     assert 81 <= onset["step"] <= 83  # 3^3 x = 54: above 10x the reference
 
 
-@pytest.mark.parametrize("window", [4, 5, 25])
+@pytest.mark.parametrize("reference_steps", [4, 5, 25])
 @pytest.mark.parametrize("seed", range(8))
-def test_the_steady_state_shortcut_judges_every_step_as_the_full_rule(seed, window, monkeypatch):
-    # Once every window is full, update() takes medians only where one can
+def test_the_steady_state_shortcut_judges_every_step_as_the_full_rule(
+    seed, reference_steps, monkeypatch
+):
+    # Once every reference ring is full, update() takes medians only where one can
     # lower the reference (_steady_update). Fed the same steps (trends, zeros,
     # spikes, non-finite values, explosions), it must decide exactly as the
     # full rule does at every step.
@@ -287,12 +286,12 @@ def test_the_steady_state_shortcut_judges_every_step_as_the_full_rule(seed, wind
     )
     columns[rng.random(columns.shape) < 0.02] = np.nan
     columns[rng.random(columns.shape) < 0.01] = np.inf
-    for at in rng.integers(window, steps, 3):
+    for at in rng.integers(reference_steps, steps, 3):
         column = int(rng.integers(0, 4))
         columns[at : at + 6, column] *= 10.0 ** rng.integers(2, 7)
     signals = [("loss", None), ("grad_norm", None), ("activation", "a"), ("logits", None)]
-    shortcut = diagnosis.ExplosionDetector(signals, window=window, patience=2)
-    full = diagnosis.ExplosionDetector(signals, window=window, patience=2)
+    shortcut = diagnosis.ExplosionDetector(signals, reference_steps=reference_steps, patience=2)
+    full = diagnosis.ExplosionDetector(signals, reference_steps=reference_steps, patience=2)
     monkeypatch.setattr(full, "_steady_update", lambda step, values: False)
     taken = 0
     for step, row in enumerate(columns):

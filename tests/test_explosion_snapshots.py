@@ -21,7 +21,7 @@ def test_the_explosion_onset_and_its_neighbours_have_layer_tables(tmp_path):
     summary = lib.write_vector_run(str(tmp_path / "explodes"), 130, _explodes, window=32)
     onset = summary["explosion"]["step"]
     assert summary["first_nonfinite"] is None
-    client = lib.make_client(lib.multiplexer_provider(str(tmp_path)), str(tmp_path))
+    client = lib.route_client(tmp_path)
     timeline = lib.get_json(client, f"{lib.PLUGIN}/timeline?run=explodes")
     recorded = set(timeline["recorded_steps"])
     assert onset in recorded

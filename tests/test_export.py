@@ -53,6 +53,7 @@ def test_file_is_self_contained(exported):
     assert "http://" not in page and "https://" not in page
     data = embedded_data(page)
     routes = {(r["route"], r["params"].get("run")) for r in data["routes"]}
+    assert ("vocabulary", None) in routes  # the page's labels and non-finite words
     for run in ("broken", "healthy", XSS_RUN):
         assert ("timeline", run) in routes and ("incident", run) in routes
     steps = [r["params"]["step"] for r in data["routes"] if r["route"] == "step"]

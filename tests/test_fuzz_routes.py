@@ -15,14 +15,18 @@ from urllib.parse import quote, urlencode
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nanwatch_testlib import PLUGIN, make_client, multiplexer_provider, write_named_run
+from nanwatch_testlib import (
+    PLUGIN,
+    route_client,
+    write_named_run,
+)
 
 from tb_nanwatch.board import plugin
 from tb_nanwatch.record.synthetic import write_synthetic_run
 
 HOSTILE_RUN = "<script>alert('run')</script>"
 HOSTILE_LAYER = "<img src=x onerror=alert('layer')>"
-ROUTES = ["runs", "timeline", "incident", "step", "index.js", "style.css"]
+ROUTES = ["runs", "timeline", "incident", "step", "vocabulary", "index.js", "style.css"]
 STATIC_BODIES = {
     route: open(os.path.join(plugin.STATIC_DIR, name), "rb").read()
     for route, (name, _) in plugin.STATIC_FILES.items()
@@ -49,7 +53,7 @@ def client(tmp_path_factory):
         steps=6,
         model="<b>model</b>",
     )
-    return make_client(multiplexer_provider(logdir), logdir)
+    return route_client(logdir)
 
 
 RUN_NAMES = ["plain", "nested/healthy \u00e9\u6f22", HOSTILE_RUN, "", ".", "..", "../plain"]

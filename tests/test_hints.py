@@ -1,4 +1,4 @@
-"""hints.py: every hint fires on data that supports it, and only then."""
+"""The cause engine's signs (the card's hints): each fires on data that supports it, and only then."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from nanwatch_testlib import base_vector
 
-from tb_nanwatch.evidence import hints
-from tb_nanwatch.evidence.recorded import Flight, Series
+from tb_nanwatch.evidence import causes
+from tb_nanwatch.evidence.recorded import Flight, Record, Series
 from tb_nanwatch.record.synthetic import build_schema
 
 SCHEMA = build_schema(3)
@@ -55,16 +55,16 @@ def incident(step: int, phase: str, layer=None, kind: str = "nan", **extra) -> d
     }
 
 
-def ids(record: hints.Record) -> list[str]:
-    found = hints.compute_hints(record)
+def ids(record: Record) -> list[str]:
+    found = causes.compute_hints(record)
     for hint in found:
         json.dumps(hint, allow_nan=False)  # evidence is plain, finite JSON
         assert set(hint) == {"id", "title", "text", "evidence"}
     return [h["id"] for h in found]
 
 
-def only(record: hints.Record, hint_id: str) -> dict:
-    found = {h["id"]: h for h in hints.compute_hints(record)}
+def only(record: Record, hint_id: str) -> dict:
+    found = {h["id"]: h for h in causes.compute_hints(record)}
     assert hint_id in found, list(found)
     return found[hint_id]
 
@@ -79,7 +79,7 @@ def rising_logits(n: int = 51, rise_from: int = 40) -> np.ndarray:
 
 
 def test_logits_rising_fires_with_count_and_values():
-    rec = hints.Record(SCHEMA, incident(50, "loss"), series=series(51, logit_max=rising_logits()))
+    rec = Record(SCHEMA, incident(50, "loss"), series=series(51, logit_max=rising_logits()))
     hint = only(rec, "logits_rising")
     assert hint["evidence"]["steps"] == 10
     assert hint["evidence"]["first"] == 5.0 and hint["evidence"]["last"] == 15.0
@@ -90,7 +90,7 @@ def test_logits_rising_fires_with_count_and_values():
 def test_logits_rising_stops_at_a_nonfinite_incident_value():
     logits = rising_logits()
     logits[50] = np.nan
-    rec = hints.Record(SCHEMA, incident(50, "loss"), series=series(51, logit_max=logits))
+    rec = Record(SCHEMA, incident(50, "loss"), series=series(51, logit_max=logits))
     assert only(rec, "logits_rising")["evidence"]["last_step"] == 49
 
 
@@ -110,7 +110,7 @@ def test_logits_rising_does_not_fire_without_support(case):
         logits = rising_logits(rise_from=47)
     elif case == "forward_phase":
         phase = "forward"
-    rec = hints.Record(
+    rec = Record(
         SCHEMA,
         incident(50, phase),
         series=None if case == "no_series" else data(51, logit_max=logits),
@@ -125,7 +125,7 @@ def test_grad_norm_spike_fires_with_ratio():
     norms = np.ones(101)
     norms[95:100] = 5000.0
     norms[100] = np.inf
-    rec = hints.Record(
+    rec = Record(
         SCHEMA,
         incident(100, "backward", LAYERS[1]),
         series=series(101, grad_norm=norms),
@@ -141,7 +141,7 @@ def test_grad_norm_spike_does_not_fire_without_support(case):
     n = 15 if case == "too_few_earlier" else 101
     norms = np.ones(n)
     norms[-3:] = 50.0 if case == "small_rise" else 5000.0
-    rec = hints.Record(
+    rec = Record(
         SCHEMA,
         None if case == "no_incident" else incident(n - 1, "forward", LAYERS[0]),
         series=series(n, grad_norm=norms),
@@ -159,7 +159,7 @@ def saturated(step, vector, low=-31.0, high=2.0):
 
 
 def test_saturated_output_fires_from_the_flight_window():
-    rec = hints.Record(SCHEMA, incident(20, "loss", kind="inf"), flight=flight(10, 20, saturated))
+    rec = Record(SCHEMA, incident(20, "loss", kind="inf"), flight=flight(10, 20, saturated))
     hint = only(rec, "saturated_output")
     assert hint["evidence"]["max_abs_logit"] == 31.0
     assert hint["evidence"]["output"] == LAYERS[-1]
@@ -167,7 +167,7 @@ def test_saturated_output_fires_from_the_flight_window():
 
 
 def test_saturated_output_falls_back_to_the_series():
-    rec = hints.Record(
+    rec = Record(
         SCHEMA,
         incident(20, "loss", kind="inf"),
         series=series(21, logit_min=np.full(21, -40.0)),
@@ -196,7 +196,7 @@ def test_saturated_output_does_not_fire_without_support(case):
             logits.offset,
         )
     window = flight(10, 20, edit)
-    rec = hints.Record(
+    rec = Record(
         schema,
         incident(20, "forward" if case == "forward_phase" else "loss", kind="inf"),
         flight=Flight(window.first_step, window.matrix, schema),
@@ -215,7 +215,7 @@ def nonfinite_input(step, vector):
 
 
 def test_input_nonfinite_names_the_input():
-    rec = hints.Record(
+    rec = Record(
         SCHEMA,
         incident(30, "input", "input_0", tensor="model input input_0"),
         flight=flight(20, 30, nonfinite_input),
@@ -228,13 +228,13 @@ def test_input_nonfinite_names_the_input():
 
 
 def test_input_inf_mentions_float64():
-    rec = hints.Record(SCHEMA, incident(30, "input", "input_0", kind="inf"))
+    rec = Record(SCHEMA, incident(30, "input", "input_0", kind="inf"))
     assert "float64" in only(rec, "input_nonfinite")["text"]
 
 
 @pytest.mark.parametrize("phase", ["forward", "loss", "backward"])
 def test_input_hint_needs_an_input_phase_origin(phase):
-    rec = hints.Record(SCHEMA, incident(30, phase, LAYERS[0]), flight=flight(20, 30))
+    rec = Record(SCHEMA, incident(30, phase, LAYERS[0]), flight=flight(20, 30))
     assert "input_nonfinite" not in ids(rec)
 
 
@@ -249,9 +249,7 @@ def zero_grad(step, vector):
 
 
 def test_adam_epsilon_fires_on_a_zero_gradient():
-    rec = hints.Record(
-        SCHEMA, UPDATE, flight=flight(30, 40, zero_grad), summary={"optimizer": "Adam"}
-    )
+    rec = Record(SCHEMA, UPDATE, flight=flight(30, 40, zero_grad), summary={"optimizer": "Adam"})
     hint = only(rec, "adam_epsilon")
     assert hint["evidence"]["zero_gradient"] == GRAD_VAR.tensor
     assert hint["evidence"]["grad_norm"] == 0.0
@@ -262,12 +260,12 @@ def test_adam_epsilon_fires_on_a_zero_gradient():
 @pytest.mark.parametrize("case", ["nonzero_gradients", "no_flight", "not_update", "outside_window"])
 def test_adam_epsilon_does_not_fire_without_support(case):
     record = {
-        "nonzero_gradients": hints.Record(SCHEMA, UPDATE, flight=flight(30, 40)),
-        "no_flight": hints.Record(SCHEMA, UPDATE),
-        "not_update": hints.Record(
+        "nonzero_gradients": Record(SCHEMA, UPDATE, flight=flight(30, 40)),
+        "no_flight": Record(SCHEMA, UPDATE),
+        "not_update": Record(
             SCHEMA, incident(40, "forward", LAYERS[1]), flight=flight(30, 40, zero_grad)
         ),
-        "outside_window": hints.Record(SCHEMA, UPDATE, flight=flight(10, 20, zero_grad)),
+        "outside_window": Record(SCHEMA, UPDATE, flight=flight(10, 20, zero_grad)),
     }[case]
     assert "adam_epsilon" not in ids(record)
 
@@ -278,7 +276,7 @@ BACKWARD = incident(25, "backward", LAYERS[1], tensor=f"gradient w.r.t. output o
 
 
 def test_backward_origin_fires_with_finite_forward():
-    rec = hints.Record(SCHEMA, BACKWARD, flight=flight(20, 25))
+    rec = Record(SCHEMA, BACKWARD, flight=flight(20, 25))
     hint = only(rec, "backward_origin")
     assert hint["evidence"]["layer"] == LAYERS[1]
     assert hint["evidence"]["loss"] == 0.5  # the total-loss entry
@@ -287,7 +285,7 @@ def test_backward_origin_fires_with_finite_forward():
 
 
 def test_backward_origin_uses_the_series_without_a_window():
-    rec = hints.Record(SCHEMA, BACKWARD, series=series(26))
+    rec = Record(SCHEMA, BACKWARD, series=series(26))
     assert only(rec, "backward_origin")["evidence"]["loss"] == 1.0
 
 
@@ -299,14 +297,14 @@ def forward_nan(step, vector):
 @pytest.mark.parametrize("case", ["forward_nonfinite", "loss_scaler_streak", "nan_loss", "no_data"])
 def test_backward_origin_does_not_fire_without_support(case):
     record = {
-        "forward_nonfinite": hints.Record(SCHEMA, BACKWARD, flight=flight(20, 25, forward_nan)),
-        "loss_scaler_streak": hints.Record(
+        "forward_nonfinite": Record(SCHEMA, BACKWARD, flight=flight(20, 25, forward_nan)),
+        "loss_scaler_streak": Record(
             SCHEMA,
             incident(25, "backward", None, tensor="scaled gradients", note="20 skipped"),
             flight=flight(20, 25),
         ),
-        "nan_loss": hints.Record(SCHEMA, BACKWARD, series=series(26, loss=np.full(26, np.nan))),
-        "no_data": hints.Record(SCHEMA, BACKWARD),
+        "nan_loss": Record(SCHEMA, BACKWARD, series=series(26, loss=np.full(26, np.nan))),
+        "no_data": Record(SCHEMA, BACKWARD),
     }[case]
     assert "backward_origin" not in ids(record)
 
@@ -321,7 +319,7 @@ def exploding_loss(n: int = 80, onset: int = 60) -> np.ndarray:
 
 
 def test_explosion_fires_without_an_incident():
-    rec = hints.Record(
+    rec = Record(
         SCHEMA,
         None,
         explosion={"step": 60, "signal": "loss"},
@@ -336,7 +334,7 @@ def test_explosion_fires_without_an_incident():
 def test_explosion_reads_the_logits_signal():
     logits = np.ones(80)
     logits[60:] = 500.0
-    rec = hints.Record(
+    rec = Record(
         SCHEMA,
         None,
         explosion={"step": 60, "signal": "logits"},
@@ -348,7 +346,7 @@ def test_explosion_reads_the_logits_signal():
 @pytest.mark.parametrize("case", ["with_incident", "flat_series", "no_explosion", "no_series"])
 def test_explosion_does_not_fire_without_support(case):
     loss = np.ones(80) if case == "flat_series" else exploding_loss()
-    rec = hints.Record(
+    rec = Record(
         SCHEMA,
         incident(79, "loss") if case == "with_incident" else None,
         explosion=None if case == "no_explosion" else {"step": 60, "signal": "loss"},
@@ -358,16 +356,14 @@ def test_explosion_does_not_fire_without_support(case):
 
 
 def test_healthy_record_has_no_hints():
-    assert ids(hints.Record(SCHEMA, None, series=series(100), flight=None)) == []
+    assert ids(Record(SCHEMA, None, series=series(100), flight=None)) == []
 
 
 def test_logits_rising_fires_on_a_noisy_steady_climb():
     # Like seed 001: |logits| climb from ~1 to ~60 over 250 steps with +-4 noise.
     n = 251
     climb = np.linspace(1.0, 60.0, n) + np.random.default_rng(1).uniform(-4, 4, n)
-    rec = hints.Record(
-        SCHEMA, incident(n - 1, "loss", kind="inf"), series=series(n, logit_max=climb)
-    )
+    rec = Record(SCHEMA, incident(n - 1, "loss", kind="inf"), series=series(n, logit_max=climb))
     hint = only(rec, "logits_rising")
     assert hint["evidence"]["steps"] == 200
     assert hint["evidence"]["last"] > 2 * hint["evidence"]["first"]
@@ -377,7 +373,5 @@ def test_logits_rising_fires_on_a_noisy_steady_climb():
 def test_logits_trend_needs_a_climb_not_noise():
     n = 251
     noise = 20.0 + np.random.default_rng(2).uniform(-10, 10, n)
-    rec = hints.Record(
-        SCHEMA, incident(n - 1, "loss", kind="inf"), series=series(n, logit_max=noise)
-    )
+    rec = Record(SCHEMA, incident(n - 1, "loss", kind="inf"), series=series(n, logit_max=noise))
     assert "logits_rising" not in ids(rec)

@@ -26,7 +26,7 @@ from nanwatch_testlib import (
     data_server_binary,
     data_server_provider,
     make_client,
-    multiplexer_provider,
+    route_client,
     strict_json,
     write_named_run,
 )
@@ -36,8 +36,9 @@ from tensorboard.summary.writer.record_writer import masked_crc32c
 from tb_nanwatch import cli
 from tb_nanwatch.board.report import load_provider
 from tb_nanwatch.evidence import metadata
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.record.event_writer import RunWriter, summary_metadata
-from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.synthetic import build_schema, write_synthetic_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,7 +133,7 @@ def write_flushed_run(run_dir: str, steps=400, incident_step=300, flush_every=50
     """A run flushed every ``flush_every`` steps (a summary per flush)."""
     schema = build_schema(3)
     journal = RunJournal(
-        run_dir, schema, {"model": "flushed"}, JournalSettings(flush_secs=1e9, snapshot_every=100)
+        run_dir, schema, {"model": "flushed"}, WatchOptions(flush_secs=1e9, snapshot_every=100)
     )
     header = [
         schema.header_index(f)
@@ -370,7 +371,7 @@ def test_thousands_of_unrelated_runs(tmp_path, caplog):
     start = time.monotonic()
     body, _ = run_report(logdir)
     assert [r["run"] for r in json.loads(body)["runs"]] == ["group07/watched"]
-    client = make_client(multiplexer_provider(logdir), logdir)
+    client = route_client(logdir)
     code, runs = get(client, f"{PLUGIN}/runs")
     assert [r["run"] for r in runs["runs"]] == ["group07/watched"]
     get(client, f"{PLUGIN}/incident?run=group07%2Fwatched")
@@ -421,12 +422,13 @@ WRITER = r"""
 import os, sys, time, types
 sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
 import numpy as np
-from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.evidence.options import WatchOptions
+from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.synthetic import build_schema
 
 logdir, tag = sys.argv[1], sys.argv[2]
 schema = build_schema(3)
-journals = [RunJournal(os.path.join(logdir, name), schema, {"model": tag}, JournalSettings(flush_secs=0.05))
+journals = [RunJournal(os.path.join(logdir, name), schema, {"model": tag}, WatchOptions(flush_secs=0.05))
             for name in (f"{tag}_0", f"{tag}_1", "shared")]
 header = [schema.header_index(f) for f in ("loss", "grad_norm", "lr", "loss_scale", "skipped", "iterations")]
 for step in range(1500):

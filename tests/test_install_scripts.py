@@ -84,21 +84,18 @@ def fresh_repo(tmp_path_factory) -> Path:
     return repo
 
 
+def _python_output(python, code: str) -> subprocess.CompletedProcess:
+    """``python -c code``, checked, with its output as text."""
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
+
+
 def test_a_fresh_checkout_gets_a_project_venv_built_on_the_system_python(fresh_repo):
     venv_python = fresh_repo / ".venv" / "bin" / "python"
-    prefixes = subprocess.run(
-        [str(venv_python), "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
-        capture_output=True,
-        text=True,
-        check=True,
+    prefixes = _python_output(
+        str(venv_python), "import sys; print(sys.prefix); print(sys.base_prefix)"
     ).stdout.split()
     assert prefixes[0] == str(fresh_repo / ".venv")
-    base = subprocess.run(
-        [str(SYSTEM_PYTHON), "-c", "import sys; print(sys.base_prefix)"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    base = _python_output(str(SYSTEM_PYTHON), "import sys; print(sys.base_prefix)").stdout.strip()
     assert prefixes[1] == base
 
 
@@ -113,22 +110,14 @@ def test_pip_in_the_project_venv_is_not_refused(fresh_repo, tmp_path):
     )
     assert install.returncode == 0, install.stdout + install.stderr
     assert "externally-managed-environment" not in install.stdout + install.stderr
-    value = subprocess.run(
-        [venv_python, "-c", "import nanwatch_probe; print(nanwatch_probe.VALUE)"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    value = _python_output(venv_python, "import nanwatch_probe; print(nanwatch_probe.VALUE)")
     assert value.stdout.strip() == "42"
 
 
 def test_the_system_python_itself_refuses_pip_here(tmp_path):
     """The situation the venv exists for (PEP 668), when the system Python has pip at all."""
-    marker = subprocess.run(
-        [str(SYSTEM_PYTHON), "-c", "import sysconfig; print(sysconfig.get_path('stdlib'))"],
-        capture_output=True,
-        text=True,
-        check=True,
+    marker = _python_output(
+        str(SYSTEM_PYTHON), "import sysconfig; print(sysconfig.get_path('stdlib'))"
     ).stdout.strip()
     has_pip = subprocess.run([str(SYSTEM_PYTHON), "-m", "pip", "--version"], capture_output=True)
     if not (Path(marker) / "EXTERNALLY-MANAGED").exists() or has_pip.returncode != 0:

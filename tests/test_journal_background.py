@@ -12,7 +12,8 @@ import pytest
 from nanwatch_testlib import CTX, base_vector, multiplexer_provider
 
 from tb_nanwatch.board import reader
-from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.evidence.options import WatchOptions
+from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.synthetic import build_schema
 
 SCHEMA = build_schema(3)
@@ -20,7 +21,7 @@ SCHEMA = build_schema(3)
 
 def _journal(tmp_path, **settings) -> RunJournal:
     return RunJournal(
-        str(tmp_path / "run"), SCHEMA, {"model": "m"}, JournalSettings(flush_secs=1e9, **settings)
+        str(tmp_path / "run"), SCHEMA, {"model": "m"}, WatchOptions(flush_secs=1e9, **settings)
     )
 
 

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import pathlib
 
 import keras
+import numpy as np
 import pytest
+from nanwatch_testlib import base_vector, write_vector_run
 
 import tb_nanwatch
-from tb_nanwatch.record.session import MAX_WINDOW
+from tb_nanwatch.evidence import diagnosis
+from tb_nanwatch.evidence.options import MAX_WINDOW, WatchOptions
+from tb_nanwatch.record.journal import RunJournal
+from tb_nanwatch.record.synthetic import build_schema
 
 BAD_OPTIONS = [
     ("flush_secs", math.nan),
@@ -94,3 +101,102 @@ def test_a_pathlike_log_dir_is_accepted_and_written(tmp_path):
 def test_a_log_dir_that_is_not_a_path_is_refused(tmp_path):
     with pytest.raises(ValueError, match="log_dir"):
         tb_nanwatch.NanWatch(42)
+
+
+# -- one default per option ------------------------------------------------------
+
+OPTION_NAMES = [f.name for f in dataclasses.fields(WatchOptions)]
+
+
+def _option_defaults(front_end) -> dict:
+    """The keyword defaults of ``front_end``'s constructor that are options."""
+    parameters = inspect.signature(front_end.__init__).parameters
+    return {name: p.default for name, p in parameters.items() if name in OPTION_NAMES}
+
+
+@pytest.mark.parametrize("front_end", ["NanWatch", "StepWatcher"])
+def test_a_front_end_takes_every_option_with_the_options_default(front_end):
+    defaults = _option_defaults(getattr(tb_nanwatch, front_end))
+    assert sorted(defaults) == sorted(OPTION_NAMES)
+    assert defaults == {f.name: f.default for f in dataclasses.fields(WatchOptions)}
+
+
+def test_the_defaults_are_the_documented_ones(tmp_path):
+    # The README documents these; a changed default must change it too.
+    assert WatchOptions() == WatchOptions(
+        on_nonfinite="stop",
+        window=32,
+        max_consecutive_skips=20,
+        min_loss_scale=1.0,
+        snapshot_every=1000,
+        flush_secs=10.0,
+        pre_step_weights="on_suspect",
+        explosion_factor=1e3,
+    )
+    assert tb_nanwatch.NanWatch(str(tmp_path / "run")).options == WatchOptions()
+
+
+def test_options_are_normalised_and_frozen():
+    options = WatchOptions(window=np.int64(5), min_loss_scale=0, flush_secs=np.float32(2))
+    assert type(options.window) is int and options.window == 5
+    assert type(options.min_loss_scale) is float and type(options.flush_secs) is float
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.window = 7
+
+
+def _skipped_below_one(schema, step: int) -> np.ndarray:
+    vector = base_vector(schema, step)
+    vector[schema.header_index("skipped")] = 1.0
+    vector[schema.header_index("loss_scale")] = 0.5
+    return vector
+
+
+def test_a_journal_without_options_keeps_the_users_loss_scale_floor(tmp_path):
+    schema = build_schema(2)
+    journal = RunJournal(str(tmp_path / "run"), schema, {"model": "m"})
+    assert journal.options == WatchOptions() and journal.options.min_loss_scale == 1.0
+    incident = journal.record(0, 0, 0, _skipped_below_one(schema, 0))
+    journal.close()
+    assert incident is not None and "below the floor 1" in incident["note"]
+
+
+def test_a_loss_scale_floor_of_zero_turns_the_check_off(tmp_path):
+    schema = build_schema(2)
+    journal = RunJournal(
+        str(tmp_path / "run"), schema, {"model": "m"}, WatchOptions(min_loss_scale=0)
+    )
+    incident = journal.record(0, 0, 0, _skipped_below_one(schema, 0))
+    journal.close()
+    assert incident is None and journal.skipped_steps == [0]
+
+
+# -- the explosion rule's reference is not the flight window ----------------------
+
+
+def test_the_explosion_detector_names_its_reference_steps():
+    parameters = inspect.signature(diagnosis.ExplosionDetector).parameters
+    assert "reference_steps" in parameters and "window" not in parameters
+    assert parameters["factor"].default == WatchOptions.explosion_factor
+    with pytest.raises(ValueError, match="reference_steps"):
+        diagnosis.ExplosionDetector(reference_steps=0)
+
+
+def _climbs(step, vector, schema):
+    if step >= 60:
+        loss = 10.0 ** min(step - 59, 6)
+        vector[schema.header_index("loss")] = loss
+        total = next(e for e in schema.entries if e.kind == "loss" and e.layer is None)
+        vector[total.index("value")] = loss
+
+
+def test_the_flight_window_does_not_change_the_explosion_onset(tmp_path):
+    short = write_vector_run(str(tmp_path / "short"), 80, _climbs, window=2)
+    long = write_vector_run(str(tmp_path / "long"), 80, _climbs, window=200)
+    assert (short["window"], long["window"]) == (2, 200)
+    assert short["explosion"] is not None
+    assert short["explosion"] == long["explosion"]
+
+
+def test_the_run_summary_holds_the_explosion_factor(tmp_path):
+    summary = write_vector_run(str(tmp_path / "run"), 3, explosion_factor=50)
+    assert summary["explosion_factor"] == 50.0

@@ -44,7 +44,7 @@ def logdir(tmp_path_factory):
 @pytest.fixture(scope="module", params=PROVIDERS)
 def client(request, logdir):
     if request.param == "multiplexer":
-        yield lib.make_client(lib.multiplexer_provider(logdir), logdir)
+        yield lib.route_client(logdir)
         return
     if lib.data_server_binary() is None:
         pytest.skip("tensorboard_data_server binary not installed")
@@ -54,7 +54,7 @@ def client(request, logdir):
 
 @pytest.fixture(scope="module")
 def py_client(logdir):
-    return lib.make_client(lib.multiplexer_provider(logdir), logdir)
+    return lib.route_client(logdir)
 
 
 def _q(**params) -> str:
@@ -362,7 +362,7 @@ def _timeline_timings(client) -> list[float]:
 def test_timeline_of_a_100k_step_run_answers_within_a_second(tmp_path):
     root = str(tmp_path)
     lib.write_fast_series_run(os.path.join(root, "long"), 100_000)
-    timings = _timeline_timings(lib.make_client(lib.multiplexer_provider(root), root))
+    timings = _timeline_timings(lib.route_client(root))
     assert max(timings) < 1.0, timings
     if lib.data_server_binary() is not None:
         with lib.data_server_provider(root, expect_runs=1) as grpc:

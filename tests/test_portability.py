@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import numpy as np
 import pytest
-from nanwatch_testlib import PLUGIN, get_json, make_client, multiplexer_provider
+from nanwatch_testlib import PLUGIN, get_json, route_client
 
 from tb_nanwatch import cli
 from tb_nanwatch.record import bundle
@@ -50,7 +50,7 @@ def report(logdir: str, as_json: bool = True) -> str:
 
 def plugin_views(logdir: str) -> dict:
     """Every route's answer for every run (the frontend's view of the log dir)."""
-    client = make_client(multiplexer_provider(logdir), logdir)
+    client = route_client(logdir)
     views = {"runs": get_json(client, f"{PLUGIN}/runs")}
     for entry in views["runs"]["runs"]:
         run = quote(entry["run"], safe="")

@@ -112,7 +112,7 @@ def test_a_healthy_xla_step_copies_nothing_for_the_pre_step_copy_or_the_batch_st
     # update then writes in place: the watched step copied more than the
     # step alone. As a loop run zero times or once, with the update waiting
     # for it, nothing is copied until an incident.
-    from tb_nanwatch.record import lazy_counts
+    from tb_nanwatch.record.stats.backend import in_xla
 
     x, y = tf.ones((8, 8)), tf.ones((8, 1))
     traced_in_xla = []
@@ -146,7 +146,7 @@ def test_a_healthy_xla_step_copies_nothing_for_the_pre_step_copy_or_the_batch_st
         model,
         optimizer,
         jit_compile=True,
-        on_trace=lambda: traced_in_xla.append(lazy_counts.in_xla()),
+        on_trace=lambda: traced_in_xla.append(in_xla()),
     )
     train_step(x, y)
     assert watcher.end_step() is False
@@ -229,9 +229,9 @@ def test_every_step_copy_gives_an_exact_update_phase_bundle(tmp_path):
 )
 def test_same_diagnosis_where_min_and_max_may_drop_nan(build, tmp_path, monkeypatch):
     # On a device whose min/max ignore NaN the activations' trigger is their sum.
-    from tb_nanwatch.record import step_stats
+    from tb_nanwatch.record.stats.graph import GraphStats
 
-    monkeypatch.setattr(step_stats, "_MINMAX_PROPAGATES_NAN", False)
+    monkeypatch.setattr(GraphStats, "minmax_propagates_nan", False)
     _, watch, truth, _ = fit(build, tmp_path)
     assert origin(watch.incident) == truth
 
@@ -260,10 +260,11 @@ def test_our_readers_run_before_the_steps_own_consumers():
 
 def test_held_if_non_finite_lets_go_of_a_healthy_tensor():
     from tb_nanwatch.record import lazy_counts
+    from tb_nanwatch.record.stats.graph import GraphStats
 
     @tf.function
     def held(x):
-        return lazy_counts.held_if_non_finite(x, tf.reduce_sum(x))
+        return GraphStats().held_if_non_finite(x, tf.reduce_sum(x))
 
     size = lazy_counts.HOLD_MIN_ELEMENTS
     assert held(tf.ones([size])).shape == (0,)
@@ -293,11 +294,12 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(
     # activation or gradient fed to it directly would stay in memory until
     # then, and ReluGrad and the optimizer could no longer write into it.
     # Under XLA no conditional takes them at all: their counts are results of
-    # the reduction that takes their statistic (step_stats.counted_in_pass).
+    # the reduction that takes their statistic (XlaStats.counted_in_pass).
     from tb_nanwatch.record import phase_stats
 
     keras.utils.set_random_seed(0)
     from tb_nanwatch.record import lazy_counts
+    from tb_nanwatch.record.stats.backend import in_xla
 
     monkeypatch.setattr(lazy_counts, "XLA_MAX_CONDITIONALS", 1000)  # one entry a conditional
     # Tensors large enough to be let go of (see HOLD_MIN_ELEMENTS), and a few small ones.
@@ -315,7 +317,7 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(
     conds, traced_in_xla, types = [], [], set()
 
     def look():
-        traced_in_xla.append(lazy_counts.in_xla())
+        traced_in_xla.append(in_xla())
         graph = tf.compat.v1.get_default_graph()
         conds.extend(op for op in graph.get_operations() if _is_our_conditional(op))
         types.update(op_types_run(graph))
@@ -352,7 +354,7 @@ def _is_our_conditional(op) -> bool:
     from tb_nanwatch.record import phase_stats
 
     if op.type in ("If", "StatelessIf") and op.inputs[0].op.type == "Const":
-        return False  # a function lowered once for XLA (step_stats._lowered_once), not a branch
+        return False  # a function lowered once for XLA (XlaStats._lowered_once), not a branch
     return phase_stats.is_ours(op) and (op.type in ("If", "StatelessIf") or is_chunk_call(op))
 
 
@@ -368,13 +370,13 @@ def _ancestors(op, limit: int = 500) -> set:
 
 
 def test_rare_cond_stays_a_functional_if_and_takes_either_branch():
-    from tb_nanwatch.record import step_stats
+    from tb_nanwatch.record.stats.graph import GraphStats
 
     ifs = []
 
     @tf.function
     def pick(flag, x):
-        out = step_stats.rare_cond(flag, lambda: tf.reduce_sum(x), lambda: tf.constant(-1.0))
+        out = GraphStats().rare_cond(flag, lambda: tf.reduce_sum(x), lambda: tf.constant(-1.0))
         graph = tf.compat.v1.get_default_graph()
         ifs.extend(op for op in graph.get_operations() if op.type in ("If", "StatelessIf"))
         return out

@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from nanwatch_testlib import watched_step
 
 import tb_nanwatch
 from tb_nanwatch import cli
@@ -154,15 +155,7 @@ def loop_until_incident(build, run_dir: str, step_loss, **watch_options):
     optimizer = keras.optimizers.SGD(0.01)
     watcher = tb_nanwatch.StepWatcher(run_dir, model, optimizer, **watch_options)
 
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
-            y_pred = model(x, training=True)
-            loss = rec.loss(step_loss(y, y_pred), y_pred=y_pred)
-        grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=False))
-        rec.after_update()
-        return loss
+    train_step = watched_step(watcher, model, optimizer, step_loss)
 
     y = np.ones((len(x), 1), "float32")
     for start in range(0, len(x), BATCH):

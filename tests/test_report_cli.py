@@ -17,7 +17,7 @@ from tb_nanwatch.record.synthetic import write_synthetic_run
 
 RUN_KEYS = {"run", "steps", "first_nonfinite", "explosion", "skipped_steps", "cause"}
 INCIDENT_KEYS = {"step", "phase", "layer", "tensor", "kind", "op"}
-CAUSE_KEYS = {"id", "summary", "evidence", "remedies"}
+CAUSE_KEYS = {"id", "summary", "evidence", "remedies", "remedy_ids"}
 
 
 def _skips(step, vector, schema):
@@ -178,12 +178,13 @@ def test_op_and_bad_rows_of_an_input_incident(tmp_path):
     """The op line under the layer, and the bundle's bad rows, when recorded."""
     import numpy as np
 
-    from tb_nanwatch.record.journal import JournalSettings, RunJournal
+    from tb_nanwatch.evidence.options import WatchOptions
+    from tb_nanwatch.record.journal import RunJournal
     from tb_nanwatch.record.synthetic import build_schema
 
     run_dir = tmp_path / "run"
     schema = build_schema(2)
-    journal = RunJournal(str(run_dir), schema, {"model": "m"}, JournalSettings(flush_secs=1e9))
+    journal = RunJournal(str(run_dir), schema, {"model": "m"}, WatchOptions(flush_secs=1e9))
     for step in range(4):
         vector = lib.base_vector(schema, step)
         if step == 3:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from nanwatch_testlib import PLUGIN, get_json, make_client, multiplexer_provider
+from nanwatch_testlib import PLUGIN, get_json, route_client
 
 from tb_nanwatch.board import plugin, views
 from tb_nanwatch.evidence.recorded import Flight
@@ -20,7 +20,7 @@ LONG_STEPS = 3 * plugin.MAX_MAX_POINTS + 5
 def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("long")
     write_synthetic_run(str(root / "long"), LONG_STEPS, num_layers=2, snapshot_every=10_000)
-    return make_client(multiplexer_provider(str(root)), str(root))
+    return route_client(root)
 
 
 def test_the_largest_timeline_answer_stays_small(client):

@@ -9,7 +9,7 @@ import os
 
 import keras
 import numpy as np
-import tensorflow as tf
+from nanwatch_testlib import watched_step
 from test_crash_safety import read_run
 
 import tb_nanwatch
@@ -93,15 +93,7 @@ def test_step_watchers_over_time_each_get_their_own_run(tmp_path):
         optimizer = keras.optimizers.SGD(0.01)
         watcher = tb_nanwatch.StepWatcher(log_dir, model, optimizer)
 
-        @tf.function
-        def train_step(x, y, watcher=watcher, optimizer=optimizer):
-            with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
-                y_pred = model(x, training=True)
-                loss = rec.loss(loss_fn(y, y_pred), y_pred=y_pred)
-            grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-            rec.after_update()
-            return loss
+        train_step = watched_step(watcher, model, optimizer, loss_fn)
 
         x, y = _data(8 * steps)
         for i in range(steps):

@@ -73,13 +73,6 @@ def test_steps_per_execution_incident_epoch_and_batch(tmp_path):
 # -- mixed precision ------------------------------------------------------------
 
 
-@pytest.fixture
-def mixed_precision():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 def test_mixed_precision_skips_are_not_incidents_until_the_streak(tmp_path, mixed_precision):
     model, watch, truth, _ = fit(scenarios.mixed_log_negative, tmp_path, max_consecutive_skips=3)
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)

@@ -18,11 +18,12 @@ import sys
 import time
 
 import pytest
-from test_crash_safety import TrainingChild, assert_series_complete, read_run
+from test_crash_safety import CHILD_MODEL, TrainingChild, assert_series_complete, read_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CHILD = r"""
+CHILD = (
+    r"""
 import os, signal, sys, time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
@@ -34,17 +35,10 @@ from tb_nanwatch.record.event_writer import RunWriter
 log_dir, mode = sys.argv[1], sys.argv[2]
 steps, nan_step, flush_secs = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 on_nonfinite = sys.argv[6]
-BATCH = 4
-rng = np.random.RandomState(0)
-x = rng.uniform(0.5, 1.5, (steps * BATCH, 4)).astype("float32")
-if nan_step >= 0:
-    x[nan_step * BATCH + 1, 2] = np.nan
-y = np.ones((len(x), 1), "float32")
-inp = keras.Input((4,), name="pixels")
-h = keras.layers.Dense(6, activation="relu", name="hidden")(inp)
-model = keras.Model(inp, keras.layers.Dense(1, name="head")(h), name="signal_case")
-model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-watch = tb_nanwatch.NanWatch(log_dir, on_nonfinite=on_nonfinite, flush_secs=flush_secs)
+BATCH, MODEL_NAME = 4, "signal_case"
+"""
+    + CHILD_MODEL
+    + r"""watch = tb_nanwatch.NanWatch(log_dir, on_nonfinite=on_nonfinite, flush_secs=flush_secs)
 
 if mode == "graceful":
     def preempted(signum, frame):  # the user's handler: note it, keep training
@@ -87,6 +81,7 @@ history = model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0,
 print("batches run", len([1 for _ in history.history["loss"]]), flush=True)
 print("done", flush=True)
 """
+)
 
 
 class Child(TrainingChild):

@@ -5,19 +5,11 @@
  * so `fetch("runs")` reaches `data/plugin/nanwatch/runs`, also under
  * TensorBoard's `--path_prefix`.
  *
- * TensorBoard's JSON cleanser turns NaN/±Inf into the strings "NaN",
- * "Infinity" and "-Infinity"; `revive` turns them back into numbers, except
- * under keys that hold names (a layer may well be called "NaN").
+ * TensorBoard's JSON cleanser writes NaN/±Inf as words (the vocabulary's
+ * `non_finite`); `revive` turns them back into numbers, except under the
+ * vocabulary's `text_keys` (a layer may well be called "NaN").
  */
-
-const NON_FINITE = { NaN: NaN, Infinity: Infinity, "-Infinity": -Infinity };
-
-/** Keys whose values (and everything below them) are text, never numbers. */
-const TEXT_KEYS = new Set([
-  "run", "layer", "layers", "tensor", "phase", "kind", "title", "text", "id",
-  "signal", "status", "error", "source", "note", "model", "framework",
-  "summary", "remedies", "path", "snippet", "type", "name",
-]);
+import { encodingOf, vocabulary } from "./vocabulary.js";
 
 /** Error thrown for a non-2xx response; `status` is the HTTP status. */
 export class ApiError extends Error {
@@ -33,22 +25,25 @@ export class ApiError extends Error {
 }
 
 /**
- * Turns "NaN"/"Infinity"/"-Infinity" strings back into numbers, recursively.
+ * Turns the non-finite words back into numbers, recursively.
  * @param {*} value Parsed JSON.
- * @param {boolean} [isText] True below a name-holding key: leave strings alone.
+ * @param {Object} [vocab] The vocabulary whose `text_keys` and `non_finite` to
+ *   use; the loaded one by default.
  * @returns {*} The same structure with non-finite numbers restored.
  */
-export function revive(value, isText = false) {
-  if (typeof value === "string") {
-    return !isText && Object.prototype.hasOwnProperty.call(NON_FINITE, value) ? NON_FINITE[value] : value;
-  }
-  if (Array.isArray(value)) return value.map((v) => revive(v, isText));
-  if (value && typeof value === "object") {
-    const out = {};
-    for (const [k, v] of Object.entries(value)) out[k] = revive(v, isText || TEXT_KEYS.has(k));
-    return out;
-  }
-  return value;
+export function revive(value, vocab = vocabulary()) {
+  const { textKeys, numbers } = encodingOf(vocab);
+  const walk = (v, isText) => {
+    if (typeof v === "string") return !isText && numbers.has(v) ? numbers.get(v) : v;
+    if (Array.isArray(v)) return v.map((item) => walk(item, isText));
+    if (v && typeof v === "object") {
+      const out = {};
+      for (const [k, item] of Object.entries(v)) out[k] = walk(item, isText || textKeys.has(k));
+      return out;
+    }
+    return v;
+  };
+  return walk(value, false);
 }
 
 /**
@@ -89,15 +84,15 @@ function embeddedJson(route, params) {
 }
 
 /**
- * GETs a route and returns its revived JSON body.
+ * GETs a route and returns its JSON body as it came (not revived).
  * @param {string} route Route name (relative URL).
  * @param {Object<string, *>} [params] Query parameters.
  * @param {AbortSignal} [signal] Optional abort signal.
- * @returns {Promise<*>} The revived JSON.
+ * @returns {Promise<*>} The parsed JSON.
  * @throws {ApiError} On a non-2xx response.
  */
-export async function getJson(route, params = {}, signal = undefined) {
-  if (globalThis.__NANWATCH_DATA__) return revive(embeddedJson(route, params));
+async function getBody(route, params = {}, signal = undefined) {
+  if (globalThis.__NANWATCH_DATA__) return embeddedJson(route, params);
   const response = await fetch(routeUrl(route, params), { signal, headers: { Accept: "application/json" } });
   let body = null;
   try {
@@ -109,8 +104,23 @@ export async function getJson(route, params = {}, signal = undefined) {
     const message = body && typeof body.error === "string" ? body.error : response.statusText;
     throw new ApiError(response.status, message || `HTTP ${response.status}`);
   }
-  return revive(body);
+  return body;
 }
+
+/**
+ * GETs a route and returns its revived JSON body (needs the vocabulary loaded).
+ * @param {string} route Route name (relative URL).
+ * @param {Object<string, *>} [params] Query parameters.
+ * @param {AbortSignal} [signal] Optional abort signal.
+ * @returns {Promise<*>} The revived JSON.
+ * @throws {ApiError} On a non-2xx response.
+ */
+export async function getJson(route, params = {}, signal = undefined) {
+  return revive(await getBody(route, params, signal));
+}
+
+/** @returns {Promise<Object>} The `vocabulary` route (holds no number to revive). */
+export const fetchVocabulary = () => getBody("vocabulary");
 
 /** @returns {Promise<{runs: Array<Object>}>} The `runs` route. */
 export const fetchRuns = () => getJson("runs");

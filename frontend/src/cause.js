@@ -1,35 +1,21 @@
 /**
  * The cause verdict of an incident or explosion (the `incident` route's
  * `cause`): a label for its id, the one-sentence summary, the evidence and
- * the remedies, best first. All text goes through `textContent` (dom.js).
+ * the remedies, best first. Labels come from the vocabulary (vocabulary.js).
+ * All text goes through `textContent` (dom.js).
  */
 import { el } from "./dom.js";
 import { fmt } from "./format.js";
-
-/** A short label for each cause id of the backend's vocabulary. */
-const CAUSE_LABELS = {
-  input_data: "Bad input data",
-  nonfinite_weights: "Weights already NaN/Inf before the step",
-  growth_overflow: "Overflow after growth",
-  forward_math: "Math error in the forward pass",
-  loss_math: "Math error in the loss",
-  backward_math: "Math error in the backward pass",
-  optimizer_update: "Optimizer update broke the weights",
-  fp16_overflow: "float16 overflow",
-  explosion: "Explosion (no NaN/Inf yet)",
-  unknown: "Unknown cause",
-};
+import { labelOf } from "./vocabulary.js";
 
 /** The most list items an evidence value shows before "… (N more)". */
 const MAX_LIST_ITEMS = 12;
 
 /**
  * @param {string} id A cause id.
- * @returns {string} Its label; an id outside the vocabulary reads as itself.
+ * @returns {string} Its label in the vocabulary; an id outside it reads as itself.
  */
-export function causeLabel(id) {
-  return CAUSE_LABELS[id] || String(id ?? "–");
-}
+export const causeLabel = (id) => labelOf("causes", id);
 
 /**
  * Readable text of one evidence value: numbers as elsewhere in the tab
@@ -88,14 +74,14 @@ function renderEvidence(evidence, unknown) {
   ]);
 }
 
-function renderRemedies(remedies) {
+function renderRemedies(remedies, ids) {
   if (!remedies || !remedies.length) return null;
   return el("div", { class: "cause-remedies-box" }, [
     el("h4", { text: "What to try, best first" }),
     el(
       "ol",
       { class: "remedies" },
-      remedies.map((text, i) => el("li", { class: "remedy", data: { rank: i + 1 }, text })),
+      remedies.map((text, i) => el("li", { class: "remedy", data: { rank: i + 1, remedy: ids?.[i] }, text })),
     ),
   ]);
 }
@@ -103,7 +89,8 @@ function renderRemedies(remedies) {
 /**
  * The cause block that leads the incident card: label, summary sentence,
  * evidence, ranked remedies. `unknown` says plainly that no known cause fits.
- * @param {{id: string, summary?: string, evidence?: Object, remedies?: string[]}} cause The cause.
+ * @param {{id: string, summary?: string, evidence?: Object, remedies?: string[], remedy_ids?: string[]}} cause
+ *   The cause; `remedy_ids` name the remedies (`li[data-remedy=ID]`).
  * @returns {HTMLElement} The block (`.cause[data-cause=ID]`).
  */
 export function renderCause(cause) {
@@ -114,6 +101,6 @@ export function renderCause(cause) {
     ]),
     cause.summary ? el("p", { class: "cause-summary", data: { field: "cause-summary" }, text: cause.summary }) : null,
     renderEvidence(cause.evidence, unknown),
-    renderRemedies(cause.remedies),
+    renderRemedies(cause.remedies, cause.remedy_ids),
   ]);
 }

@@ -1,8 +1,9 @@
 /**
- * Downloads of a run's timeline as CSV or JSON. Non-finite values are kept:
- * "NaN", "Infinity", "-Infinity" (the same words the routes use); a missing
- * value is an empty CSV cell / JSON null.
+ * Downloads of a run's timeline as CSV or JSON. Non-finite values are kept,
+ * written as the routes write them (the vocabulary's `non_finite`: "NaN",
+ * "Infinity", "-Infinity"); a missing value is an empty CSV cell / JSON null.
  */
+import { nonFiniteWord } from "./vocabulary.js";
 
 /**
  * A number as text for a file: full precision, non-finite as a word.
@@ -12,10 +13,7 @@
 function numberText(v) {
   if (v === null || v === undefined) return null;
   if (typeof v !== "number") return String(v);
-  if (Number.isNaN(v)) return "NaN";
-  if (v === Infinity) return "Infinity";
-  if (v === -Infinity) return "-Infinity";
-  return String(v);
+  return Number.isFinite(v) ? String(v) : nonFiniteWord(v);
 }
 
 function csvCell(text) {

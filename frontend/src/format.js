@@ -1,4 +1,4 @@
-/** Number and label formatting shared by the views. */
+/** Number and path formatting shared by the views. */
 
 /**
  * Formats a number for display; non-finite values read "NaN", "Inf", "-Inf".
@@ -36,16 +36,6 @@ export function nonFiniteKind(v) {
   if (v === Infinity) return "posinf";
   if (v === -Infinity) return "neginf";
   return null;
-}
-
-/**
- * Human text of an incident kind ("nan", "inf", "nan+inf", or "nonfinite"
- * for a loss-scaler incident without a recorded origin).
- * @param {string} kind The kind from the backend.
- * @returns {string} e.g. "NaN", "Inf", "NaN and Inf", "NaN or Inf".
- */
-export function kindLabel(kind) {
-  return { nan: "NaN", inf: "Inf", "nan+inf": "NaN and Inf", nonfinite: "NaN or Inf" }[kind] || String(kind ?? "–");
 }
 
 /**

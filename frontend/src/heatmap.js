@@ -9,9 +9,11 @@
  * `data-origin="true"`, and the container names it in `data-origin-layer` /
  * `data-origin-step`.
  */
+import { interpolateViridis } from "d3-scale-chromatic";
 import { el, clear } from "./dom.js";
 import { fmt, truncateLeft } from "./format.js";
 import { cssColor } from "./theme.js";
+import { phaseLabel } from "./vocabulary.js";
 
 const MAX_CELL_W = 22;
 const MIN_CELL_W = 6;
@@ -20,10 +22,6 @@ const NONFINITE_COLOR = "#ff00ff";
 /** Pixels per character of a column label (10 px digits) and the gap between labels. */
 const LABEL_CHAR_W = 6.5;
 const LABEL_GAP = 8;
-/** Viridis-like stops, low to high. */
-const STOPS = [
-  [68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37],
-];
 const METRICS = [
   { key: "forward_max_abs", label: "forward max |x|" },
   { key: "grad_norm", label: "gradient norm" },
@@ -58,17 +56,14 @@ export function labelledColumns(steps, cellW, originCol) {
 }
 
 /**
- * Colour for t in [0, 1] on the viridis-like scale.
- * @param {number} t Position on the scale.
- * @returns {string} CSS rgb() colour.
+ * Colour for t in [0, 1] on the viridis scale (d3-scale-chromatic).
+ * @param {number} t Position on the scale; clamped to [0, 1].
+ * @returns {string} CSS colour.
  */
-export function colorAt(t) {
-  const x = Math.min(1, Math.max(0, t)) * (STOPS.length - 1);
-  const i = Math.min(STOPS.length - 2, Math.floor(x));
-  const f = x - i;
-  const c = STOPS[i].map((a, k) => Math.round(a + (STOPS[i + 1][k] - a) * f));
-  return `rgb(${c[0]}, ${c[1]}, ${c[2]})`;
-}
+export const colorAt = (t) => interpolateViridis(Math.min(1, Math.max(0, t)));
+
+/** The legend bar's background: the same scale as the cells. */
+const LEGEND_GRADIENT = `linear-gradient(to right, ${[0, 0.25, 0.5, 0.75, 1].map(colorAt).join(", ")})`;
 
 /**
  * log10 range of the positive finite values of a matrix.
@@ -127,9 +122,11 @@ export function renderHeatmap(container, heatmap, opts = {}) {
   );
   const legendLo = el("span", { class: "legend-lo" });
   const legendHi = el("span", { class: "legend-hi" });
+  const legendBar = el("span", { class: "legend-bar" });
+  legendBar.style.background = LEGEND_GRADIENT;
   const legend = el("span", { class: "heatmap-legend" }, [
     legendLo,
-    el("span", { class: "legend-bar" }),
+    legendBar,
     legendHi,
     el("span", { class: "swatch swatch-nonfinite" }),
     " NaN/Inf ",
@@ -184,7 +181,7 @@ export function renderHeatmap(container, heatmap, opts = {}) {
   if (originCol >= 0) {
     const box = el("div", {
       class: "heatmap-origin",
-      title: `origin: ${origin.layer ?? "(no layer)"} at step ${origin.step} (${origin.phase})`,
+      title: `origin: ${origin.layer ?? "(no layer)"} at step ${origin.step} (${phaseLabel(origin.phase)})`,
       data: { origin: "true", layer: origin.layer, step: origin.step },
     });
     box.style.left = `${originCol * cellW - 1}px`;

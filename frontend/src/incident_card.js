@@ -7,9 +7,10 @@
  */
 import { renderCause } from "./cause.js";
 import { el, clear } from "./dom.js";
-import { fmt, kindLabel } from "./format.js";
+import { fmt } from "./format.js";
 import { renderBundle } from "./repro_bundle.js";
 import { nearestSteps } from "./step_table.js";
+import { kindLabel, phaseLabel } from "./vocabulary.js";
 
 /** Appends the non-null nodes. */
 function append(container, ...nodes) {
@@ -75,7 +76,7 @@ function incidentParts(inc, exp, goto) {
     el("h3", { class: "card-title", text: `First ${kindLabel(inc.kind)} at step ${inc.step}` }),
     el("p", { class: "card-summary" }, [
       "Born in the ",
-      el("strong", { text: inc.phase }),
+      el("strong", { text: phaseLabel(inc.phase) }),
       " phase at ",
       el("code", { text: where }),
       ` (${inc.tensor}).`,
@@ -85,7 +86,7 @@ function incidentParts(inc, exp, goto) {
       field("step", "step", inc.step),
       field("epoch", "epoch", inc.epoch),
       field("batch", "batch", inc.batch),
-      field("phase", "phase", inc.phase),
+      field("phase", "phase", phaseLabel(inc.phase)),
       field("layer", "layer", inc.layer ?? "(none)"),
       field("tensor", "tensor", inc.tensor),
       field("kind", "NaN / Inf", kindLabel(inc.kind)),

@@ -3,12 +3,13 @@
  * iframe imports this module (relative to `<base href="plugin/nanwatch/">`)
  * and calls `render()`.
  */
-import { fetchRuns } from "./api.js";
+import { fetchRuns, fetchVocabulary } from "./api.js";
 import { el, clear } from "./dom.js";
 import { createRunPanel } from "./run_panel.js";
 import { createRunSelector, defaultSelection } from "./run_selector.js";
 import { onTensorBoardReload } from "./tensorboard_host.js";
 import { followTheme } from "./theme.js";
+import { hasVocabulary, useVocabulary } from "./vocabulary.js";
 
 function ensureStylesheet() {
   if (document.querySelector("link[data-nanwatch-style]")) return;
@@ -20,7 +21,8 @@ function ensureStylesheet() {
 }
 
 /**
- * Builds the whole page inside the plugin iframe's body. Follows
+ * Builds the whole page inside the plugin iframe's body. Loads the
+ * vocabulary (labels, text keys, non-finite words) once, before any run. Follows
  * TensorBoard's dark mode, and reloads with TensorBoard (its reload button
  * and auto-reload): the runs list is fetched again and each shown run whose
  * entry changed (more steps, a new status or incident) is reloaded in place.
@@ -85,6 +87,13 @@ export async function render() {
     status.textContent = "Loading runs…";
     root.dataset.state = "loading";
     let runs;
+    try {
+      if (!hasVocabulary()) useVocabulary(await fetchVocabulary());
+    } catch (err) {
+      status.textContent = `Could not load the tab's vocabulary: ${err.message}`;
+      root.dataset.state = "error";
+      return;
+    }
     try {
       runs = (await fetchRuns()).runs || [];
     } catch (err) {

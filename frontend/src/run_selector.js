@@ -1,7 +1,7 @@
 /** Run selector: pick one or several runs to show side by side. */
 import { causeLine } from "./cause.js";
 import { el, clear } from "./dom.js";
-import { kindLabel } from "./format.js";
+import { kindLabel, phaseLabel } from "./vocabulary.js";
 
 /**
  * One-line status of a run from the `runs` route.
@@ -15,7 +15,7 @@ export function runStatus(run) {
   if (inc) {
     state = "nonfinite";
     const where = inc.layer ? ` in ${inc.layer}` : "";
-    parts.push(`first ${kindLabel(inc.kind)} at step ${inc.step} (${inc.phase}${where})`);
+    parts.push(`first ${kindLabel(inc.kind)} at step ${inc.step} (${phaseLabel(inc.phase)}${where})`);
   }
   if (run.explosion) {
     if (state === "healthy") state = "explosion";

@@ -1,9 +1,24 @@
 /** Per-layer table of one step (`step` route). */
 import { el, clear } from "./dom.js";
 import { fmt, isNonFinite, truncateLeft } from "./format.js";
+import { isTextKey, phaseLabel } from "./vocabulary.js";
 
+/** The row keys shown, in order; a key the vocabulary does not call text is a number. */
 const COLUMNS = ["phase", "layer", "tensor", "nan", "inf", "min", "max", "max_abs", "norm", "value"];
-const NUMERIC = new Set(["nan", "inf", "min", "max", "max_abs", "norm", "value"]);
+
+/**
+ * The text of one cell.
+ * @param {string} column Column name.
+ * @param {Object} row A row of the `step` route.
+ * @returns {string} Numbers as `fmt`, phases by label, long layer paths shortened.
+ */
+function cellText(column, row) {
+  const value = row[column];
+  if (!isTextKey(column)) return fmt(value ?? null);
+  if (column === "layer" && value) return truncateLeft(value, 44);
+  if (column === "phase") return phaseLabel(value);
+  return value ?? "–";
+}
 
 /**
  * Nearest recorded steps to `step`.
@@ -86,10 +101,10 @@ export function renderStepTable(container, data, incident = null) {
         },
         COLUMNS.map((c) =>
           el("td", {
-            class: `${NUMERIC.has(c) ? "num" : ""}${isBadCell(c, row[c]) ? " nonfinite" : ""}`.trim() || null,
+            class: `${isTextKey(c) ? "" : "num"}${isBadCell(c, row[c]) ? " nonfinite" : ""}`.trim() || null,
             data: { col: c },
             title: c === "layer" && row.layer ? row.layer : null,
-            text: NUMERIC.has(c) ? fmt(row[c] ?? null) : c === "layer" && row.layer ? truncateLeft(row.layer, 44) : row[c] ?? "–",
+            text: cellText(c, row),
           }),
         ),
       );

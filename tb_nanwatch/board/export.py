@@ -8,7 +8,8 @@ TensorBoard's loader. The frontend reads them from
 Nothing is fetched from anywhere: a teammate opens the file by double-click,
 offline.
 
-Embedded per run: the ``runs`` list, the ``incident`` answer (card, heatmap,
+Embedded once: the ``runs`` list and the ``vocabulary`` (labels, text keys,
+non-finite words). Embedded per run: the ``incident`` answer (card, heatmap,
 hints), the ``timeline`` at exact resolution up to ``max_points`` steps (else
 reduced to ``max_points`` buckets, and zooming shows that reduced series), and
 the per-layer ``step`` tables of up to ``max_step_tables`` recorded steps (the
@@ -80,7 +81,13 @@ def collect(
         if unknown:
             raise ExportError(f"no NaN Watch run named {', '.join(map(repr, unknown))}")
         entries = [e for e in entries if e["run"] in runs]
-    routes = [{"route": "runs", "params": {}, "body": {"runs": entries}}]
+    status, words = _get(client, "vocabulary", {})
+    if status != 200:
+        raise ExportError(f"the plugin's vocabulary could not be read: {words}")
+    routes = [
+        {"route": "runs", "params": {}, "body": {"runs": entries}},
+        {"route": "vocabulary", "params": {}, "body": words},
+    ]
     for entry in entries:
         run = entry["run"]
         total = max(int(entry.get("steps") or 0), 1)

@@ -23,7 +23,7 @@ from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
 from tb_nanwatch.board import reader, views
-from tb_nanwatch.evidence import causes, hints, metadata
+from tb_nanwatch.evidence import causes, metadata, vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,7 @@ class NanWatchPlugin(base_plugin.TBPlugin):
             "/timeline": _json_app(self._serve_timeline),
             "/incident": _json_app(self._serve_incident),
             "/step": _json_app(self._serve_step),
+            "/vocabulary": _json_app(self._serve_vocabulary),
         }
         for route in STATIC_FILES:
             apps[route] = _json_app(functools.partial(self._serve_static, route))
@@ -177,6 +178,9 @@ class NanWatchPlugin(base_plugin.TBPlugin):
         run = _run_param(request)
         step = _int_param(request, "step", required=True)
         return self.step_impl(*_scope(request), run, step)
+
+    def _serve_vocabulary(self, request: wrappers.Request) -> dict:
+        return vocabulary.vocabulary()
 
     def _serve_static(self, route: str, request: wrappers.Request):
         filename, mime = STATIC_FILES[route]
@@ -240,7 +244,7 @@ class NanWatchPlugin(base_plugin.TBPlugin):
             "bundle": views.bundle_entry(run),
             "explosion": run.summary.get("explosion"),
             "heatmap": views.heatmap(flight, incident) if flight is not None else None,
-            "hints": hints.compute_hints(record),
+            "hints": causes.compute_hints(record),
         }
 
     def step_impl(self, ctx, experiment: str, run_name: str, step: int) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 from tensorboard import context
 
 from tb_nanwatch.board import logdir_walk, reader
-from tb_nanwatch.evidence import causes, diagnosis, hints
+from tb_nanwatch.evidence import causes, diagnosis, vocabulary
 from tb_nanwatch.evidence.recorded import Record
 
 EXPERIMENT_ID = ""
@@ -147,7 +147,9 @@ def json_safe(value: object) -> object:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        if math.isnan(value):
+            return vocabulary.NON_FINITE["nan"]
+        return vocabulary.NON_FINITE["posinf" if value > 0 else "neginf"]
     return value
 
 
@@ -216,7 +218,7 @@ def run_text(data_provider, run: reader.Run, logdir: str | None = None, ctx=None
     """The human-readable block of one run: its cause first, then the record."""
     source = _source(data_provider, ctx)
     record = run_record(source, run)
-    return format_run(run, hints.compute_hints(record), run_cause(source, run, logdir))
+    return format_run(run, causes.compute_hints(record), run_cause(source, run, logdir))
 
 
 def _source(data_provider, ctx) -> reader.Source:

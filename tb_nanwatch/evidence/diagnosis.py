@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import Entry, Schema
 
 
@@ -56,15 +57,15 @@ def find_origin(schema: Schema, vector: np.ndarray) -> dict | None:
     entry is the one whose predecessors are all finite.
     Returns ``{"phase", "layer", "tensor", "kind"}`` or None if all finite.
     """
-    entries, nan_index, inf_index = _diagnosed_index(schema)
-    if not entries:
+    index = schema.diagnosed_index()
+    if not index.entries:
         return None
     vector = np.asarray(vector)
     # is_nonfinite, vectorized (this runs every training step).
-    nonfinite = (vector[nan_index] != 0) | (vector[inf_index] != 0)
+    nonfinite = (vector[index.nan] != 0) | (vector[index.inf] != 0)
     if not nonfinite.any():
         return None
-    entry = entries[int(nonfinite.argmax())]
+    entry = index.entries[int(nonfinite.argmax())]
     return {
         "phase": entry.phase,
         # The loss belongs to no layer; the tensor text names the output.
@@ -74,33 +75,12 @@ def find_origin(schema: Schema, vector: np.ndarray) -> dict | None:
     }
 
 
-_INDEX_ATTR = "_diagnosis_index"
-
-
-def _diagnosed_index(schema: Schema) -> tuple[list[Entry], np.ndarray, np.ndarray]:
-    """The diagnosed entries of ``schema`` and the vector positions of their
-    nan and inf counts, cached on the schema (rebuilt if it grew)."""
-    key = (len(schema.entries), schema.size)
-    cached = getattr(schema, _INDEX_ATTR, None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    entries = schema.diagnosed()
-    nan_index = np.array(schema.indices(entries, "nan"), np.intp)
-    inf_index = np.array(schema.indices(entries, "inf"), np.intp)
-    index = (entries, nan_index, inf_index)
-    try:
-        setattr(schema, _INDEX_ATTR, (key, index))
-    except AttributeError:
-        pass
-    return index
-
-
 # -- the per-step verdict -----------------------------------------------------
 
 # The kind of an incident whose NaN/Inf was not recorded, see UNRECORDED_ORIGIN.
 UNKNOWN_KIND = "nonfinite"
 
-# Human text of each incident kind (the frontend's format.js keeps its own).
+# Human text of each incident kind (served to the frontend by evidence/vocabulary.py).
 KIND_TEXT = {"nan": "NaN", "inf": "Inf", "nan+inf": "NaN and Inf", UNKNOWN_KIND: "NaN or Inf"}
 
 # What an incident says when the loss scaler skipped steps while every recorded
@@ -112,21 +92,6 @@ UNRECORDED_ORIGIN = {
     "tensor": "the loss scaler's scaled gradients (not recorded; every recorded tensor was finite)",
     "kind": UNKNOWN_KIND,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class IncidentRules:
-    """When a step is an incident (the watcher's options, defaults in
-    :class:`~tb_nanwatch.record.journal.JournalSettings`)."""
-
-    # A streak of this many steps skipped by the loss scaler is an incident,
-    # dated at its first step (0: skips alone never are).
-    max_consecutive_skips: int
-    # A skipped step whose loss scale fell below this floor is an incident:
-    # float16 cannot hold even the unscaled gradients.
-    min_loss_scale: float
-    # See ExplosionDetector.
-    explosion_factor: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,23 +149,24 @@ class RunDiagnosis:
     A step is an incident when a recorded tensor is non-finite and the loss
     scaler did not skip the step; a skipped step (normal under mixed
     precision) becomes one only when the scale falls below
-    ``min_loss_scale`` or the skips reach ``max_consecutive_skips`` in a row.
-    Only the first incident of a run is reported.
+    ``min_loss_scale`` or the skips reach ``max_consecutive_skips`` in a row
+    (both read from ``options``, as is the ``explosion_factor`` of the
+    :class:`ExplosionDetector`). Only the first incident of a run is reported.
     """
 
-    def __init__(self, schema: Schema, rules: IncidentRules) -> None:
+    def __init__(self, schema: Schema, options: WatchOptions) -> None:
         self.schema = schema
-        self.rules = rules
+        self.options = options
         self.signal_reader = SignalReader(schema)
         self.explosion = ExplosionDetector(
-            self.signal_reader.signals, factor=self.rules.explosion_factor
+            self.signal_reader.signals, factor=options.explosion_factor
         )
         self.incident: dict | None = None
         self._streak: tuple[StepPlace, np.ndarray] | None = None
         self._header = {f: schema.header_index(f) for f in schema.header().fields}
         # What can make a step an incident: every count, and "skipped".
-        _, nan_index, inf_index = _diagnosed_index(schema)
-        self._incident_fields = np.concatenate([nan_index, inf_index, [self._header["skipped"]]])
+        index = schema.diagnosed_index()
+        self._incident_fields = np.concatenate([index.nan, index.inf, [self._header["skipped"]]])
 
     def header(self, vector: np.ndarray, field: str) -> float:
         """A header field (``"loss"``, ``"loss_scale"``, ...) of ``vector``."""
@@ -247,13 +213,13 @@ class RunDiagnosis:
         if self._streak is None:
             self._streak = (place, vector.copy())
         scale = self.header(vector, "loss_scale")
-        floor = self.rules.min_loss_scale
+        floor = self.options.min_loss_scale
         if 0 < scale < floor:
             note = f"loss scale fell to {scale:g}, below the floor {floor:g}"
             return self._incident(place, vector, origin, note)
         first, first_vector = self._streak
         streak = place.step - first.step + 1
-        limit = self.rules.max_consecutive_skips
+        limit = self.options.max_consecutive_skips
         if limit and streak >= limit:
             note = f"{streak} consecutive steps skipped by the loss scaler"
             first_origin = find_origin(self.schema, first_vector)
@@ -286,11 +252,14 @@ class ExplosionDetector:
     are skipped:
 
     1. The *reference level* of a step is the lowest median so far of the last
-       ``window`` values before it (from step 1 on: the first steps are their
-       own reference, so a jump from step 0 to step 1 counts), never below
-       ``floor_ratio`` x its lowest median over the first ``window`` steps
-       (a loss trained down to 1e-6 does not make a later 1e-3 an explosion), and, for logits and activations, never
-       below 1 (growth from ~0 to an ordinary size is no explosion).
+       ``reference_steps`` values before it (from step 1 on: the first steps
+       are their own reference, so a jump from step 0 to step 1 counts), never
+       below ``floor_ratio`` x its lowest median over the first
+       ``reference_steps`` steps (a loss trained down to 1e-6 does not make a
+       later 1e-3 an explosion), and, for logits and activations, never below
+       1 (growth from ~0 to an ordinary size is no explosion). These
+       ``reference_steps`` are the detector's own: not the watcher's
+       ``window`` (the flight recorder's length).
     2. A value is *above the line* when it exceeds ``factor`` x the reference.
        The signal explodes when it stays above the line ``patience`` steps in
        a row, or when the run ends or goes non-finite (:meth:`finish`) while
@@ -312,16 +281,16 @@ class ExplosionDetector:
             ("grad_norm", None),
             ("logits", None),
         ),
-        factor: float = 1e3,
-        window: int = 25,
+        factor: float = WatchOptions.explosion_factor,
+        reference_steps: int = 25,
         patience: int = 3,
         floor_ratio: float = 0.1,
         rise: float = 10.0,
     ) -> None:
         if not factor > rise or not rise > 1:
             raise ValueError("explosion factor must exceed rise, and rise must exceed 1")
-        if window < 1 or patience < 1:
-            raise ValueError("window and patience must be at least 1")
+        if reference_steps < 1 or patience < 1:
+            raise ValueError("reference_steps and patience must be at least 1")
         self.signals = [(str(name), layer) for name, layer in signals]
         self.factor = factor
         self.patience = patience
@@ -329,7 +298,8 @@ class ExplosionDetector:
         self.rise = rise
         size = len(self.signals)
         self._unit = np.array([name in UNIT_SIGNALS for name, _ in self.signals])
-        self._ring = np.full((window, size), np.nan)
+        # The last reference_steps values of each signal (NaN: none yet).
+        self._ring = np.full((reference_steps, size), np.nan)
         self._pos = np.zeros(size, np.intp)
         self._columns = np.arange(size)
         self._count = np.zeros(size, np.intp)
@@ -339,12 +309,12 @@ class ExplosionDetector:
         self._above = np.zeros(size, np.int64)
         self._stretch = np.full(size, -1, np.int64)
         self._ratio = np.zeros(size)
-        # For _steady_update, once every window is full: the reference's
-        # floor (fixed from then on), how many values of a window must lie
-        # below a level before its median can, and the window's middle.
+        # For _steady_update, once every signal's ring is full: the
+        # reference's floor (fixed from then on), how many values of a ring
+        # must lie below a level before its median can, and the ring's middle.
         self._floor_line: np.ndarray | None = None
-        self._half = -(-window // 2)
-        self._middle = [(window - 1) // 2, window // 2]
+        self._half = -(-reference_steps // 2)
+        self._middle = [(reference_steps - 1) // 2, reference_steps // 2]
         self.onset: dict | None = None
 
     def update(self, step: int, values: Sequence[float]) -> dict | None:
@@ -392,7 +362,7 @@ class ExplosionDetector:
         else:
             ring = np.where(known, self._ring, 0.0)
             median = np.where(known, np.nanmedian(ring, axis=0), np.nan)
-        # The floor's base: the lowest median while the window first fills,
+        # The floor's base: the lowest median while the ring first fills,
         # frozen then (a jump in the first steps cannot raise it).
         warm = known & ~self._frozen
         self._initial = np.where(warm, np.fmin(self._initial, median), self._initial)
@@ -405,13 +375,13 @@ class ExplosionDetector:
         return np.where(known, np.fmax(self._lowest, floor_line), np.nan)
 
     def _steady_update(self, step: int, values: np.ndarray) -> dict | None | bool:
-        """:meth:`update` once every window is full, for a step whose values
+        """:meth:`update` once every ring is full, for a step whose values
         are all finite: the same rule, in less time (it runs on every
-        training step; 15 signals: 65 -> 24 us, 300 signals: 163 -> 36 us
-        on the bench machine). False when a reference is 0 (the general
-        path judges that step).
+        training step; on the bench machine 24 us against the general
+        path's 65 for 15 signals, 36 us against 163 for 300). False when a
+        reference is 0 (the general path judges that step).
 
-        A median can only lower ``_lowest`` if half the window lies below
+        A median can only lower ``_lowest`` if half the ring lies below
         it, so medians are taken only for the signals where it does (a
         loss trained down, typically).
         """
@@ -419,7 +389,7 @@ class ExplosionDetector:
         may_lower = (ring < lowest).sum(axis=0) >= self._half
         if may_lower.any():
             columns = np.flatnonzero(may_lower)
-            # np.median of the full windows, without its overhead.
+            # np.median of the full rings, without its overhead.
             middle = np.partition(ring[:, columns], self._middle, axis=0)[self._middle]
             lowest[columns] = np.fmin(lowest[columns], (middle[0] + middle[1]) / 2)
         reference = np.fmax(lowest, self._floor_line)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+import numpy as np
+
 PHASES = ("input", "forward", "loss", "backward", "update")
 
 # Fields of each entry kind, in vector order. Every kind but "header" has the
@@ -74,12 +76,24 @@ class Entry:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class DiagnosedIndex:
+    """The diagnosed entries of a schema, in order, and the vector positions
+    of their ``nan`` and ``inf`` counts (see :meth:`Schema.diagnosed_index`)."""
+
+    entries: list[Entry]
+    nan: np.ndarray
+    inf: np.ndarray
+
+
 class Schema:
     """An ordered list of entries laid out in one vector."""
 
     def __init__(self) -> None:
         self.entries: list[Entry] = []
         self.size = 0
+        # (layout it was built for, diagnosed_index()): see diagnosed_index.
+        self._diagnosed_index: tuple[tuple[int, int], DiagnosedIndex] | None = None
 
     def add(self, phase: str, kind: str, layer: str | None, tensor: str) -> Entry:
         entry = Entry(phase, kind, layer, tensor, self.size)
@@ -101,6 +115,18 @@ class Schema:
     def diagnosed(self) -> list[Entry]:
         """The entries the diagnosis looks at (all but the header), in order."""
         return [e for e in self.entries if e.phase in PHASES]
+
+    def diagnosed_index(self) -> DiagnosedIndex:
+        """:meth:`diagnosed` and the vector positions of each entry's nan and
+        inf counts (the diagnosis reads them every step): built once, and
+        again only if the schema grew."""
+        layout = (len(self.entries), self.size)
+        if self._diagnosed_index is None or self._diagnosed_index[0] != layout:
+            entries = self.diagnosed()
+            nan = np.array(self.indices(entries, "nan"), np.intp)
+            inf = np.array(self.indices(entries, "inf"), np.intp)
+            self._diagnosed_index = (layout, DiagnosedIndex(entries, nan, inf))
+        return self._diagnosed_index[1]
 
     def find(self, phase: str | None = None, kind: str | None = None) -> list[Entry]:
         return [

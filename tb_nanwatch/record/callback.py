@@ -42,13 +42,13 @@ import sys
 
 import keras
 
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.record import train_step
 from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.recorder import StepRecorder
 from tb_nanwatch.record.run_dirs import RunPlacement
 from tb_nanwatch.record.session import (
     NonFiniteError,
-    WatchOptions,
     WatchSession,
     base_run_info,
     check_writable,
@@ -93,14 +93,14 @@ class NanWatch(keras.callbacks.Callback):
     def __init__(
         self,
         log_dir: str,
-        on_nonfinite: str = "stop",
-        window: int = 32,
-        max_consecutive_skips: int = 20,
-        snapshot_every: int = 1000,
-        flush_secs: float = 10.0,
-        pre_step_weights: str = "on_suspect",
-        explosion_factor: float = 1e3,
-        min_loss_scale: float = 1.0,
+        on_nonfinite: str = WatchOptions.on_nonfinite,
+        window: int = WatchOptions.window,
+        max_consecutive_skips: int = WatchOptions.max_consecutive_skips,
+        snapshot_every: int = WatchOptions.snapshot_every,
+        flush_secs: float = WatchOptions.flush_secs,
+        pre_step_weights: str = WatchOptions.pre_step_weights,
+        explosion_factor: float = WatchOptions.explosion_factor,
+        min_loss_scale: float = WatchOptions.min_loss_scale,
     ) -> None:
         super().__init__()
         self.options = WatchOptions.from_arguments(locals())

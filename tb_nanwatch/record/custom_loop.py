@@ -49,19 +49,18 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tb_nanwatch.evidence.options import WatchOptions, positive_int
 from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.phase_stats import StepInputs
 from tb_nanwatch.record.recorder import PendingStep, StepRecorder
 from tb_nanwatch.record.run_dirs import RunPlacement
 from tb_nanwatch.record.session import (
     NonFiniteError,
-    WatchOptions,
     WatchSession,
     base_run_info,
     check_optimizer,
     check_writable,
     loss_from_logits,
-    positive_int,
 )
 from tb_nanwatch.record.taps import StepTrace
 
@@ -101,14 +100,14 @@ class StepWatcher:
         optimizer,
         *,
         steps_per_execution: int = 1,
-        on_nonfinite: str = "stop",
-        window: int = 32,
-        max_consecutive_skips: int = 20,
-        min_loss_scale: float = 1.0,
-        snapshot_every: int = 1000,
-        flush_secs: float = 10.0,
-        pre_step_weights: str = "on_suspect",
-        explosion_factor: float = 1e3,
+        on_nonfinite: str = WatchOptions.on_nonfinite,
+        window: int = WatchOptions.window,
+        max_consecutive_skips: int = WatchOptions.max_consecutive_skips,
+        min_loss_scale: float = WatchOptions.min_loss_scale,
+        snapshot_every: int = WatchOptions.snapshot_every,
+        flush_secs: float = WatchOptions.flush_secs,
+        pre_step_weights: str = WatchOptions.pre_step_weights,
+        explosion_factor: float = WatchOptions.explosion_factor,
         loss_fn=None,
     ) -> None:
         options = WatchOptions.from_arguments(locals())
@@ -123,7 +122,9 @@ class StepWatcher:
         self.model = model
         self.optimizer = optimizer
         self.recorder = StepRecorder(
-            model, steps_per_execution=steps_per_execution, pre_step_weights=pre_step_weights
+            model,
+            steps_per_execution=steps_per_execution,
+            pre_step_weights=options.pre_step_weights,
         )
         self.recorder.install()
         info = base_run_info(self.recorder, model, optimizer, options)

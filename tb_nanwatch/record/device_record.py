@@ -25,21 +25,23 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import gen_resource_variable_ops
 
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import Schema
-from tb_nanwatch.record import lazy_counts, step_stats
+from tb_nanwatch.record import step_stats
+from tb_nanwatch.record.stats.backend import StatsBackend
 from tb_nanwatch.record.unseen_variables import hidden_from_tf_function
 
 # Sequence numbers are stored in float32: keep them exactly representable.
 SEQ_MODULO = 1 << 23
 
-PRE_STEP_WEIGHTS = ("every_step", "on_suspect", "off")
-
 
 class DeviceRecord:
     """The ring buffer, batch stash and pre-step weight copies of one run."""
 
-    def __init__(self, steps_per_execution: int = 1, pre_step_weights: str = "on_suspect") -> None:
-        # pre_step_weights: one of PRE_STEP_WEIGHTS (WatchOptions validates it).
+    def __init__(
+        self, steps_per_execution: int = 1, pre_step_weights: str = WatchOptions.pre_step_weights
+    ) -> None:
+        # pre_step_weights: one of options.PRE_STEP_WEIGHTS (WatchOptions validates it).
         self.steps_per_execution = max(int(steps_per_execution), 1)
         self.pre_step_weights = pre_step_weights
         self._lock = threading.Lock()
@@ -67,7 +69,7 @@ class DeviceRecord:
     # -- in the compiled step ------------------------------------------------------
 
     def ensure(
-        self, vector_size: int, data, weights: list, retrace: bool = True
+        self, vector_size: int, data, weights: list, stats: StatsBackend, retrace: bool = True
     ) -> list[tf.Tensor]:
         """Creates the variables on the first trace (eagerly); the flat batch.
 
@@ -80,7 +82,8 @@ class DeviceRecord:
         ``retrace``: whether the tf.function being traced is to see the
         variables created, so that it traces the step again and never runs
         this trace (see ``StepRecorder._trace_never_runs``); otherwise they are
-        kept from it and this trace is the one that runs.
+        kept from it and this trace is the one that runs. ``stats``: the step's
+        statistics backend (whether the copies may start empty).
         """
         batch = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
         self._batch_structure = tf.nest.map_structure(lambda t: None if t is None else 0, data)
@@ -96,11 +99,8 @@ class DeviceRecord:
                 return batch
             if not tf.executing_eagerly():
                 self.created_in_graph = tf.compat.v1.get_default_graph()
-            # XLA cannot assign a new shape to a variable; elsewhere the
-            # copies start empty and take their shape when first written.
-            growable = not lazy_counts.in_xla()
             with tf.init_scope(), hidden_from_tf_function(not retrace):
-                self._create(width, batch, weights, growable)
+                self._create(width, batch, weights, stats.growable_copies)
                 self._replicas = replicas
         return batch
 
@@ -121,13 +121,15 @@ class DeviceRecord:
                 tf.constant(0, tf.int64), "nanwatch_pre_step_weights_of"
             )
 
-    def copy_pre_step_weights(self, weights: list, maybe_nonfinite, gradients: list) -> list:
+    def copy_pre_step_weights(
+        self, weights: list, maybe_nonfinite, gradients: list, stats: StatsBackend
+    ) -> list:
         """Copies the weights before the update: every step, or ``on_suspect``
         when ``maybe_nonfinite()`` (a scalar bool tensor) is true.
 
         Returns ``gradients`` (the weights', ``None`` where a weight has none)
         for the update to apply: under XLA the update then waits for the copy
-        (see ``step_stats.rare_assign``). Values are unchanged.
+        (see ``XlaStats.rare_assign``). Values are unchanged.
         """
         if self._pre_step_copies is None:
             return gradients
@@ -151,7 +153,7 @@ class DeviceRecord:
             (g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,) for g in gradients
         ]
         present = [t for parts in tensors for t in parts if t is not None]
-        carried = iter(step_stats.rare_assign(copying, copy, present))
+        carried = iter(stats.rare_assign(copying, copy, present))
         out = []
         for g in gradients:
             if g is None:
@@ -174,7 +176,12 @@ class DeviceRecord:
         self._handed_row = None
 
     def write_row(
-        self, schema: Schema, vector: tf.Tensor, replica_first_nonfinite, batch: list
+        self,
+        schema: Schema,
+        vector: tf.Tensor,
+        replica_first_nonfinite,
+        batch: list,
+        stats: StatsBackend,
     ) -> tf.Tensor:
         """Writes the step's row into the ring buffer; stashes a non-finite
         step's batch (still at hand after the update: a healthy step copies
@@ -188,7 +195,7 @@ class DeviceRecord:
                 _stash(slot, t)
             self._batch_of.assign(count)
 
-        step_stats.rare_assign(tf.logical_and(nonfinite, capturing), keep_batch)
+        stats.rare_assign(tf.logical_and(nonfinite, capturing), keep_batch)
         self._incident_captured.assign(tf.logical_or(tf.logical_not(capturing), incident))
         seq = tf.cast(count % SEQ_MODULO, tf.float32)
         first = tf.reshape(replica_first_nonfinite, [-1])

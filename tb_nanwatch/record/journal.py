@@ -10,7 +10,6 @@ the synthetic-run generator of the benchmark.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import queue
 import threading
@@ -20,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from tb_nanwatch.evidence import causes, diagnosis, metadata, recorded
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import Schema
 from tb_nanwatch.record import crash_safety
 from tb_nanwatch.record.event_writer import RunWriter
@@ -69,24 +69,14 @@ def _ranges(steps: list[int]) -> list[list[int]]:
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class JournalSettings:
-    """How a :class:`RunJournal` keeps its record (the watcher's options)."""
-
-    window: int = 32
-    snapshot_every: int = 1000
-    max_consecutive_skips: int = 20
-    min_loss_scale: float = 0.0
-    flush_secs: float = 10.0
-    explosion_factor: float = 1e3
-
-
 class RunJournal:
     """Receives per-step stats vectors and keeps the run's record on disk.
 
     Each step is judged by a :class:`~tb_nanwatch.evidence.diagnosis.RunDiagnosis`;
     the journal keeps what it decides (first incident, explosion onset,
-    skipped steps) and writes it with the series.
+    skipped steps) and writes it with the series. ``options`` (the watcher's,
+    :class:`~tb_nanwatch.evidence.options.WatchOptions`; its defaults when
+    None) set the window, snapshots, flushing and the incident rules.
     """
 
     def __init__(
@@ -94,24 +84,17 @@ class RunJournal:
         log_dir: str,
         schema: Schema,
         run_info: dict,
-        settings: JournalSettings | None = None,
+        options: WatchOptions | None = None,
         writer: RunWriter | None = None,
         before_incident: Callable[[dict], tuple[str, bool] | None] | None = None,
     ) -> None:
-        settings = settings or JournalSettings()
+        self.options = options or WatchOptions()
         self.schema = schema
         self.run_info = dict(run_info)
-        self.window = settings.window
-        self.snapshot_every = settings.snapshot_every
-        self.flush_secs = settings.flush_secs
-        self.diagnosis = diagnosis.RunDiagnosis(
-            schema,
-            diagnosis.IncidentRules(
-                max_consecutive_skips=settings.max_consecutive_skips,
-                min_loss_scale=float(settings.min_loss_scale),
-                explosion_factor=settings.explosion_factor,
-            ),
-        )
+        self.window = self.options.window
+        self.snapshot_every = self.options.snapshot_every
+        self.flush_secs = self.options.flush_secs
+        self.diagnosis = diagnosis.RunDiagnosis(schema, self.options)
         self.writer = writer or RunWriter(log_dir)
         # Saves the reproduction bundle; called before the incident is written,
         # so a kill after the incident reached the disk always finds the bundle.
@@ -127,8 +110,8 @@ class RunJournal:
         )
         self._chunk_rows: list[np.ndarray] = []
         self._chunk_start = 0
-        self._ring = np.zeros((max(self.window, 1), schema.size), np.float32)
-        self._ring_steps = np.full(max(self.window, 1), -1, np.int64)
+        self._ring = np.zeros((self.window, schema.size), np.float32)
+        self._ring_steps = np.full(self.window, -1, np.int64)
         self.steps = 0
         self.first_nonfinite: dict | None = None
         self.explosion_onset: dict | None = None
@@ -368,6 +351,8 @@ class RunJournal:
             "chunk_steps": metadata.CHUNK_STEPS,
             "snapshot_every": self.snapshot_every,
             "window": self.window,
+            # The cause verdict replays the explosion rule with the run's factor.
+            "explosion_factor": self.options.explosion_factor,
             "repro_bundle": self.repro_bundle,
             "repro_bundle_exact": self.repro_bundle_exact,
             "schema": self.schema.to_json(),

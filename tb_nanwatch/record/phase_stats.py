@@ -4,7 +4,8 @@
 into the entries of the per-step vector, in diagnosis order: the header, then
 one method per phase (input, forward, loss, backward, update). The tensor
 statistics themselves (NaN/Inf counts, extremes, norms, the cross-replica
-reduction) are :mod:`tb_nanwatch.record.step_stats`'.
+reduction) are built by the step's statistics backend
+(:mod:`tb_nanwatch.record.stats`), which the builder holds.
 
 Every op the statistics add is created under the name scope ``STATS_SCOPE``,
 and :func:`readers_first` orders the step's own consumers of a watched tensor
@@ -22,7 +23,8 @@ import keras
 import tensorflow as tf
 
 from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION
-from tb_nanwatch.record import io_names, lazy_counts, step_stats
+from tb_nanwatch.record import io_names, step_stats
+from tb_nanwatch.record.lazy_counts import scalar_total
 from tb_nanwatch.record.taps import LayerTaps, StepTrace
 
 # Every op the statistics add to the step graph is created under this scope.
@@ -105,15 +107,15 @@ class PhaseStatistics:
         # read (filled when the step is traced).
         self.not_watched_inputs: list[str] = []
 
-    def before_update(self, inputs: StepInputs, builder=None) -> step_stats.StatsBuilder:
+    def before_update(self, inputs: StepInputs, builder) -> step_stats.StatsBuilder:
         """The header, input, forward, loss and backward entries of one step.
 
-        Each entry's fields are given to ``builder`` as a function: a
+        Each entry's fields are given to ``builder`` (a
+        :class:`~tb_nanwatch.record.step_stats.StatsBuilder`) as a function: a
         :class:`~tb_nanwatch.record.step_stats.SchemaOnlyBuilder` never calls it.
         """
-        builder = builder if builder is not None else step_stats.StatsBuilder()
         if builder.records_values:
-            grad_fields = step_stats.gradient_fields_each(inputs.weight_grads)
+            grad_fields = builder.stats.gradient_fields_each(inputs.weight_grads)
         else:
             grad_fields = [{} for _ in inputs.weight_grads]
         self.header(builder, inputs, grad_fields)
@@ -125,7 +127,7 @@ class PhaseStatistics:
 
     def header(self, builder, inputs: StepInputs, grad_fields: list[dict]) -> None:
         """Loss, gradient norm (unscaled), learning rate, loss scale, skipped, iterations."""
-        fields = functools.partial(_header_fields, inputs, grad_fields)
+        fields = functools.partial(_header_fields, builder.stats, inputs, grad_fields)
         builder.add("header", "header", None, "step header", fields)
 
     def input(self, builder, inputs: StepInputs) -> None:
@@ -149,7 +151,7 @@ class PhaseStatistics:
             if note not in self.not_watched_inputs:
                 self.not_watched_inputs.append(note)
             return
-        fields = functools.partial(step_stats.tensor_fields, [watched], taken_extremes=True)
+        fields = functools.partial(builder.stats.tensor_fields, [watched], taken_extremes=True)
         builder.add("input", "input", name, tensor, fields)
 
     def forward(self, builder, inputs: StepInputs) -> None:
@@ -168,7 +170,7 @@ class PhaseStatistics:
         def fields_of(tensors: list) -> dict:
             key = tuple(id(t) for t in tensors)
             if key not in made:
-                made[key] = step_stats.tensor_fields(tensors, taken_extremes=True)
+                made[key] = builder.stats.tensor_fields(tensors, taken_extremes=True)
             return made[key]
 
         for call in inputs.trace.calls:
@@ -190,10 +192,14 @@ class PhaseStatistics:
     def loss(self, builder, inputs: StepInputs) -> None:
         """Each output's loss, then the total."""
         for name, value in inputs.trace.losses:
-            fields = functools.partial(_loss_fields, value)
+            fields = functools.partial(_loss_fields, builder.stats, value)
             builder.add("loss", "loss", name, f"loss of output {name}", fields)
         builder.add(
-            "loss", "loss", None, "total loss", functools.partial(_loss_fields, inputs.loss)
+            "loss",
+            "loss",
+            None,
+            "total loss",
+            functools.partial(_loss_fields, builder.stats, inputs.loss),
         )
 
     def backward(self, builder, inputs: StepInputs, grad_fields: list[dict]) -> None:
@@ -206,7 +212,7 @@ class PhaseStatistics:
         for call, out_grads, in_grads in reversed(_grads_per_call(inputs)):
             path = call.path
             if any(g is not None for g in out_grads):  # else no gradient: not a zero one
-                fields = functools.partial(step_stats.gradient_fields, out_grads)
+                fields = functools.partial(builder.stats.gradient_fields, out_grads)
                 tensor = f"gradient w.r.t. output of {path}"
                 builder.add("backward", "grad_out", path, tensor, fields)
             if "#" not in path:
@@ -214,7 +220,7 @@ class PhaseStatistics:
                     text = f"gradient of {v.path}"
                     builder.add("backward", "grad_var", path, text, fields)
             if in_grads:  # none when the input is not computed from any weight
-                fields = functools.partial(step_stats.gradient_fields, in_grads)
+                fields = functools.partial(builder.stats.gradient_fields, in_grads)
                 tensor = f"gradient w.r.t. input of {path}"
                 builder.add("backward", "grad_in", path, tensor, fields)
         for owner, items in grads_by_owner.items():
@@ -228,7 +234,7 @@ class PhaseStatistics:
 
         @functools.cache
         def fields_of_all() -> list[dict]:
-            return step_stats.value_fields_each([tf.convert_to_tensor(v) for v in weights])
+            return builder.stats.value_fields_each([tf.convert_to_tensor(v) for v in weights])
 
         for index, v in enumerate(weights):
             fields = functools.partial(_nth, fields_of_all, index)
@@ -237,7 +243,7 @@ class PhaseStatistics:
             )
 
 
-def _header_fields(inputs: StepInputs, grad_fields: list[dict]) -> dict:
+def _header_fields(stats, inputs: StepInputs, grad_fields: list[dict]) -> dict:
     """The header's values (see ``PhaseStatistics.header``)."""
     optimizer = inputs.optimizer
     is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
@@ -246,12 +252,10 @@ def _header_fields(inputs: StepInputs, grad_fields: list[dict]) -> dict:
         scale = tf.cast(scale, tf.float32)
     else:
         scale = tf.constant(1.0)
-    grad_sumsq = (
-        lazy_counts.scalar_total([f["norm"] for f in grad_fields])
-        if grad_fields
-        else tf.constant(0.0)
+    grad_sumsq = scalar_total([f["norm"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
+    skipped = (
+        _skipped_by_loss_scaler(stats, grad_fields, grad_sumsq) if is_lso else tf.constant(0.0)
     )
-    skipped = _skipped_by_loss_scaler(grad_fields, grad_sumsq) if is_lso else tf.constant(0.0)
     lr = optimizer.learning_rate if optimizer is not None else 0.0
     iterations = optimizer.iterations if optimizer is not None else 0
     return {
@@ -281,7 +285,7 @@ def _grads_per_call(inputs: StepInputs) -> list[tuple[Any, list, list]]:
     return per_call
 
 
-def _skipped_by_loss_scaler(grad_fields: list[dict], grad_sumsq: tf.Tensor) -> tf.Tensor:
+def _skipped_by_loss_scaler(stats, grad_fields: list[dict], grad_sumsq: tf.Tensor) -> tf.Tensor:
     """1.0 when a gradient holds a NaN/Inf (the loss scaler skips the step).
 
     The exact test runs only when the sum of squares, which any NaN/Inf
@@ -290,12 +294,10 @@ def _skipped_by_loss_scaler(grad_fields: list[dict], grad_sumsq: tf.Tensor) -> t
         return tf.constant(0.0)
 
     def exact() -> tf.Tensor:
-        nonfinite = lazy_counts.scalar_total(
-            [step_stats.exact_nonfinite_count(f) for f in grad_fields]
-        )
+        nonfinite = scalar_total([stats.exact_nonfinite_count(f) for f in grad_fields])
         return tf.cast(nonfinite > 0, tf.float32)
 
-    return step_stats.rare_cond(lazy_counts.is_finite(grad_sumsq), lambda: tf.constant(0.0), exact)
+    return stats.rare_cond(stats.is_finite(grad_sumsq), lambda: tf.constant(0.0), exact)
 
 
 def logits_read_instead(outputs: list) -> dict[int, tf.Tensor]:
@@ -316,11 +318,11 @@ def logits_read_instead(outputs: list) -> dict[int, tf.Tensor]:
     return instead
 
 
-def _loss_fields(value) -> dict:
+def _loss_fields(stats, value) -> dict:
     value = tf.cast(tf.reduce_mean(value), tf.float32)
     return {
-        "nan": tf.cast(lazy_counts.is_nan(value), tf.float32),
-        "inf": tf.cast(lazy_counts.is_inf(value), tf.float32),
+        "nan": tf.cast(stats.is_nan(value), tf.float32),
+        "inf": tf.cast(stats.is_inf(value), tf.float32),
         "value": value,
     }
 

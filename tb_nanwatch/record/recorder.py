@@ -19,10 +19,12 @@ import weakref
 import keras
 import tensorflow as tf
 
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import FIELDS, Schema
 from tb_nanwatch.record import step_stats
 from tb_nanwatch.record.device_record import DeviceRecord
 from tb_nanwatch.record.phase_stats import STATS_SCOPE, PhaseStatistics, StepInputs, readers_first
+from tb_nanwatch.record.stats import backend
 from tb_nanwatch.record.taps import LayerTaps, StepTrace
 
 
@@ -43,12 +45,13 @@ class StepRecorder:
         self,
         model: keras.Model,
         steps_per_execution: int = 1,
-        pre_step_weights: str = "on_suspect",
+        pre_step_weights: str = WatchOptions.pre_step_weights,
     ) -> None:
         self.model = model
         self.device = DeviceRecord(steps_per_execution, pre_step_weights)
         self.taps = LayerTaps(model)
         self.statistics = PhaseStatistics(self.taps)
+        self.device_facts = backend.DeviceFacts()  # probed once a run, not once a step
         self.schema: Schema | None = None
         self.trace_error: Exception | None = None
         self.tapped_layers = [path for _, path in self.taps.layers]
@@ -97,17 +100,21 @@ class StepRecorder:
         # variables' shapes); see _trace_never_runs.
         schema_only = self._trace_never_runs(inputs)
         weight_gradients = list(inputs.grads[: len(inputs.weights)])
+        # The statistics backend, chosen once for the step being built: it
+        # knows whether XLA compiles the step and holds this build's caches.
+        stats = backend.for_current_graph(self.device_facts)
         with tf.name_scope(STATS_SCOPE):
-            builder = self.statistics.before_update(
-                inputs, step_stats.SchemaOnlyBuilder() if schema_only else None
-            )
+            made = step_stats.SchemaOnlyBuilder if schema_only else step_stats.StatsBuilder
+            builder = self.statistics.before_update(inputs, made(stats))
             # The buffer's width is known only now; create it before any use.
             size = _vector_size_after_update(builder, inputs.weights)
-            batch = self.device.ensure(size, inputs.data, inputs.weights, retrace=schema_only)
+            batch = self.device.ensure(
+                size, inputs.data, inputs.weights, stats, retrace=schema_only
+            )
             if schema_only:
                 return PendingStep(builder, batch, [], weight_gradients)
             weight_gradients = self.device.copy_pre_step_weights(
-                inputs.weights, builder.maybe_nonfinite, weight_gradients
+                inputs.weights, builder.maybe_nonfinite, weight_gradients, stats
             )
         gradients = [g for g in inputs.grads if g is not None]
         return PendingStep(builder, batch, gradients, weight_gradients)
@@ -123,7 +130,11 @@ class StepRecorder:
             if self.schema is None:
                 self.schema = builder.schema
             row = self.device.write_row(
-                builder.schema, vector, builder.replica_first_nonfinite, pending.batch
+                builder.schema,
+                vector,
+                builder.replica_first_nonfinite,
+                pending.batch,
+                builder.stats,
             )
         readers_first(pending.gradients)
         return row

@@ -3,7 +3,8 @@
 :class:`~tb_nanwatch.record.callback.NanWatch` (``fit``) and
 :class:`~tb_nanwatch.record.custom_loop.StepWatcher` (custom training loops) are thin
 adapters around a :class:`WatchSession`, which owns everything they have in
-common: the options (validated once, :class:`WatchOptions`), turning the rows
+common: the options (a validated
+:class:`~tb_nanwatch.evidence.options.WatchOptions`), turning the rows
 the compiled step wrote into the on-disk record (a
 :class:`~tb_nanwatch.record.journal.RunJournal`, one device read per execution), the
 incident (reproduction bundle, console message, stop / raise / continue),
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import posixpath
 import sys
@@ -35,21 +35,17 @@ import numpy as np
 import tensorflow as tf
 
 from tb_nanwatch.evidence import causes
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.record import bundle, crash_safety, replay
-from tb_nanwatch.record.device_record import PRE_STEP_WEIGHTS
 from tb_nanwatch.record.event_writer import RunWriter
-from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.recorder import StepRecorder
 from tb_nanwatch.record.run_dirs import RunPlacement
 
 logger = logging.getLogger("tb_nanwatch")
 
-ON_NONFINITE = ("stop", "raise", "continue")
 # The phases whose bundle holds the pre-step weights (see pre_step_weights).
 REPLAYED_PHASES = ("input", "forward", "loss", "backward")
-# The largest flight-recorder window: the journal keeps ``window`` full stats
-# vectors in memory (a few MB each for a large model at the bound).
-MAX_WINDOW = 100_000
 
 
 class NonFiniteError(RuntimeError):
@@ -101,88 +97,12 @@ def check_writable(log_dir: str | os.PathLike, argument: str = "log_dir") -> str
     return log_dir
 
 
-def positive_int(name: str, value, allow_zero: bool = False, maximum: int | None = None) -> int:
-    """``value`` if it is an int >= 1 (>= 0 with ``allow_zero``) and at most
-    ``maximum``, else a ValueError naming ``name``. A bool is not an int here."""
-    low = 0 if allow_zero else 1
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, np.integer))
-        or value < low
-        or (maximum is not None and value > maximum)
-    ):
-        bound = f">= {low}" if maximum is None else f"in [{low}, {maximum}]"
-        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
-    return int(value)
-
-
-def finite_number(name: str, value, low: float, low_inclusive: bool = True) -> float:
-    """``value`` if it is a finite real number above ``low`` (or equal with
-    ``low_inclusive``), else a ValueError naming ``name``. A bool is not a number here."""
-    is_number = isinstance(value, (int, float, np.integer, np.floating))
-    if isinstance(value, bool) or not is_number or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < low or (value == low and not low_inclusive):
-        bound = f">= {low:g}" if low_inclusive else f"> {low:g}"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-    return float(value)
-
-
 def check_optimizer(optimizer) -> None:
     """A ValueError naming ``optimizer`` unless it is a Keras optimizer."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(
             "optimizer must be the keras.optimizers.Optimizer that applies the gradients "
             f"(a LossScaleOptimizer under mixed precision), got {optimizer!r}"
-        )
-
-
-@dataclasses.dataclass
-class WatchOptions:
-    """The options NanWatch and StepWatcher share (see NanWatch's docstring)."""
-
-    on_nonfinite: str = "stop"
-    window: int = 32
-    max_consecutive_skips: int = 20
-    min_loss_scale: float = 1.0
-    snapshot_every: int = 1000
-    flush_secs: float = 10.0
-    pre_step_weights: str = "on_suspect"
-    explosion_factor: float = 1e3
-
-    def __post_init__(self) -> None:
-        if self.on_nonfinite not in ON_NONFINITE:
-            raise ValueError(
-                f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}"
-            )
-        if self.pre_step_weights not in PRE_STEP_WEIGHTS:
-            raise ValueError(
-                f"pre_step_weights must be one of {PRE_STEP_WEIGHTS}, got {self.pre_step_weights!r}"
-            )
-        self.window = positive_int("window", self.window, maximum=MAX_WINDOW)
-        self.max_consecutive_skips = positive_int(
-            "max_consecutive_skips", self.max_consecutive_skips, allow_zero=True
-        )
-        self.snapshot_every = positive_int("snapshot_every", self.snapshot_every, allow_zero=True)
-        self.flush_secs = finite_number("flush_secs", self.flush_secs, 0.0, low_inclusive=False)
-        self.explosion_factor = finite_number(
-            "explosion_factor", self.explosion_factor, 10.0, low_inclusive=False
-        )
-        self.min_loss_scale = finite_number("min_loss_scale", self.min_loss_scale, 0.0)
-
-    @classmethod
-    def from_arguments(cls, arguments: dict) -> WatchOptions:
-        """The options among a front end's constructor arguments (same names)."""
-        return cls(**{f.name: arguments[f.name] for f in dataclasses.fields(cls)})
-
-    def journal_settings(self) -> JournalSettings:
-        return JournalSettings(
-            window=self.window,
-            snapshot_every=self.snapshot_every,
-            max_consecutive_skips=self.max_consecutive_skips,
-            min_loss_scale=self.min_loss_scale,
-            flush_secs=self.flush_secs,
-            explosion_factor=self.explosion_factor,
         )
 
 
@@ -427,7 +347,7 @@ class WatchSession:
             self.log_dir,
             self.recorder.schema,
             info,
-            self.options.journal_settings(),
+            self.options,
             writer=RunWriter(self.log_dir),
             before_incident=self._bundle_or_warning,
         )

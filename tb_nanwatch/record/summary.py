@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tb_nanwatch.record import step_stats
 from tb_nanwatch.record.lazy_counts import scalar_total
+from tb_nanwatch.record.stats import backend
 
 __all__ = ["finite_check", "logit_extremes", "grad_norms"]
 
@@ -52,9 +52,10 @@ def finite_check(name: str, tensor, step=None) -> tf.Tensor:
     bool tensor, True when every element of ``tensor`` (a tensor or a nested
     structure of tensors) is finite."""
     tensors = [t for t in _flat(tensor) if t.dtype.is_floating]
+    stats = backend.for_current_graph()
     zero = tf.constant(0.0)
-    nan = scalar_total([step_stats.count_nan(t) for t in tensors]) if tensors else zero
-    inf = scalar_total([step_stats.count_inf(t) for t in tensors]) if tensors else zero
+    nan = stats.exact_total("nan", tensors) if tensors else zero
+    inf = stats.exact_total("inf", tensors) if tensors else zero
     tf.summary.scalar(f"{name}/nan_count", nan, step=step)
     tf.summary.scalar(f"{name}/inf_count", inf, step=step)
     return tf.equal(nan + inf, 0.0)
@@ -68,10 +69,12 @@ def logit_extremes(name: str, logits, step=None) -> tuple[tf.Tensor, tf.Tensor]:
     tensors = [tf.cast(t, tf.float32) for t in _flat(logits)]
     if not tensors:
         raise ValueError("logit_extremes needs at least one tensor")
-    fields = step_stats.tensor_fields(tensors)
-    low, high = fields["min"], fields["max"]
+    stats = backend.for_current_graph()
+    pairs = [stats.low_high(t) for t in tensors]
+    low = _min_of([p[0] for p in pairs])
+    high = _max_of([p[1] for p in pairs])
     # reduce_min/max skip NaN on some kernels: make a NaN visible.
-    poisoned = step_stats.exact(fields["nan"]) > 0
+    poisoned = stats.exact_total("nan", tensors) > 0
     nan = tf.constant(float("nan"))
     low = tf.where(poisoned, nan, low)
     high = tf.where(poisoned, nan, high)
@@ -95,15 +98,16 @@ def grad_norms(name: str, grads, variables=None, step=None, per_variable: bool =
             raise ValueError(
                 f"grad_norms got {len(grads)} gradients but {len(variables)} variables"
             )
+    stats = backend.for_current_graph()
     squares, nonfinite_counts = [], []
     for i, g in enumerate(grads):
         if g is None:
             continue
         if isinstance(g, tf.IndexedSlices):
             g = g.values
-        sq = step_stats.sum_squares(g)
+        sq = stats.sum_squares(g)
         squares.append(sq)
-        nonfinite_counts.append(step_stats.count_nan(g) + step_stats.count_inf(g))
+        nonfinite_counts.append(stats.exact_count("nan", g) + stats.exact_count("inf", g))
         if per_variable:
             label = _variable_name(variables[i]) if variables is not None else f"grad_{i}"
             tf.summary.scalar(f"{name}/{label}", tf.sqrt(sq), step=step)
@@ -116,6 +120,14 @@ def grad_norms(name: str, grads, variables=None, step=None, per_variable: bool =
         step=step,
     )
     return norm
+
+
+def _min_of(values: list[tf.Tensor]) -> tf.Tensor:
+    return values[0] if len(values) == 1 else tf.reduce_min(tf.stack(values))
+
+
+def _max_of(values: list[tf.Tensor]) -> tf.Tensor:
+    return values[0] if len(values) == 1 else tf.reduce_max(tf.stack(values))
 
 
 def _variable_name(variable) -> str:

@@ -10,8 +10,9 @@ import dataclasses
 
 import numpy as np
 
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION, Schema
-from tb_nanwatch.record.journal import JournalSettings, RunJournal
+from tb_nanwatch.record.journal import RunJournal
 
 
 def build_schema(num_layers: int, num_inputs: int = 1) -> Schema:
@@ -47,7 +48,7 @@ class SyntheticRun:
     incident_step: int | None = None
     incident_layer: int = 0
     seed: int = 0
-    snapshot_every: int = 1000
+    snapshot_every: int = WatchOptions.snapshot_every
 
     def write(self, log_dir: str) -> dict:
         """Writes the run through a real journal; returns its summary.
@@ -60,7 +61,7 @@ class SyntheticRun:
             log_dir,
             schema,
             {"model": "synthetic", "layers": layer_names, "framework": "synthetic"},
-            JournalSettings(snapshot_every=self.snapshot_every, flush_secs=1e9),
+            WatchOptions(snapshot_every=self.snapshot_every, flush_secs=1e9),
         )
         vectors = _Vectors(schema, self.steps, np.random.default_rng(self.seed))
         status = "finished"

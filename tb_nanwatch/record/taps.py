@@ -88,7 +88,6 @@ def _own_copy(value: Any) -> Any:
     ):
         return value
     copy = tf.identity(value)
-    copy._nanwatch_own_copy = True
     mask = getattr(value, "_keras_mask", None)
     if mask is not None:
         copy._keras_mask = mask
@@ -104,16 +103,19 @@ def _own_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tf.Tensor]
     not blamed on another. The identity changes no value. An input that is
     not computed from any variable gets no copy and is not watched.
     """
+    copies: list[tf.Tensor] = []  # the copies made here, in structure order
+
+    def own(value: Any) -> Any:
+        copy = _own_copy(value)
+        if copy is not value:
+            copies.append(copy)
+        return copy
+
     if args:
-        first = tf.nest.map_structure(_own_copy, args[0])
-        args = (first,) + tuple(args[1:])
+        args = (tf.nest.map_structure(own, args[0]),) + tuple(args[1:])
     elif "inputs" in kwargs:
-        first = tf.nest.map_structure(_own_copy, kwargs["inputs"])
-        kwargs = {**kwargs, "inputs": first}
-    else:
-        return args, kwargs, []
-    watched = [t for t in tf.nest.flatten(first) if getattr(t, "_nanwatch_own_copy", False)]
-    return args, kwargs, watched
+        kwargs = {**kwargs, "inputs": tf.nest.map_structure(own, kwargs["inputs"])}
+    return args, kwargs, copies
 
 
 def layer_paths(model: keras.Model) -> dict[int, str]:

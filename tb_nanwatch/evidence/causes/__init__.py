@@ -1,0 +1,347 @@
+"""The cause engine: why a run went non-finite (or exploded), from recorded evidence.
+
+One table, :data:`RULES`, holds every rule. A :class:`Rule` is one entry: its
+id, its label, its test on the recorded case, and the remedies it offers
+(ids of :mod:`tb_nanwatch.evidence.remedies`, ranked, each with when it
+applies). A rule's test is a verdict test, a sign test, or both:
+
+* **verdict** (:func:`diagnose`): the one cause of a run's incident or
+  explosion, from the fixed vocabulary :data:`CAUSE_IDS`. Verdict tests are
+  tried in table order (``nonfinite_weights`` first, ``explosion`` only
+  without an incident, ``unknown`` last: what was seen, no guess); the first
+  that holds wins::
+
+      {"id": str, "summary": str, "evidence": {name: number | str | list},
+       "remedies": [text, ...], "remedy_ids": [remedy id, ...]}
+
+* **sign** (:func:`compute_hints`): a hint on the incident card, given only
+  when the data supports it, every sign that holds, in table order::
+
+      {"id": str, "title": str, "text": str, "evidence": {name: number | str}}
+
+Where things go:
+
+* a new cause: one :class:`Rule` entry in :data:`RULES` (at its place in the
+  decision order), its test a function ``Case -> Finding | None`` in the
+  module of its theme (:mod:`.data`, :mod:`.growth`, :mod:`.precision`,
+  :mod:`.math_errors`, :mod:`.optimizer`), its remedies as :class:`Offer`\\ s;
+* a new remedy: one entry in :data:`tb_nanwatch.evidence.remedies.CATALOGUE`
+  (id, label, text, when it applies), then name its id in the rules that
+  offer it;
+* a new sign on the card: one :class:`Rule` entry with a ``sign`` test.
+
+Run-summary keys the rules read (missing: "not known", as in runs written
+before them):
+
+* ``"weights_at_start": {"checked": int, "nonfinite": [variable path, ...]}``:
+  every weight checked once when training begins;
+* ``"dtype_policy": "mixed_float16" | "float32" | ...``: the Keras policy;
+* ``"loss_from_logits": bool | null``: whether the loss reads logits;
+* ``"optimizer": str``: the optimizer's type name.
+
+Pure Python and NumPy, no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from tb_nanwatch.evidence import remedies
+from tb_nanwatch.evidence.causes import data, growth, math_errors, optimizer, precision
+from tb_nanwatch.evidence.causes.case import (
+    SATURATED_LOGIT,
+    Case,
+    Finding,
+    clean_evidence,
+    is_target_tensor,
+)
+from tb_nanwatch.evidence.causes.data import input_rows
+from tb_nanwatch.evidence.recorded import Record
+from tb_nanwatch.evidence.remedies import Facts
+
+__all__ = [
+    "CAUSE_IDS",
+    "CAUSE_LABELS",
+    "RULES",
+    "SATURATED_LOGIT",
+    "Case",
+    "Finding",
+    "Offer",
+    "Rule",
+    "compute_hints",
+    "describe",
+    "diagnose",
+    "input_rows",
+    "offered",
+]
+
+Test = Callable[[Case], Finding | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Offer:
+    """A remedy a rule offers: its catalogue id, and when this cause offers it.
+
+    ``when`` reads the verdict's :class:`~tb_nanwatch.evidence.remedies.Facts`;
+    the catalogue's own ``applies`` is checked as well. An id offered twice
+    (with complementary conditions) ranks by the first offer that holds.
+    """
+
+    remedy: str
+    when: Callable[[Facts], bool] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One entry of the engine: a cause (verdict), a card sign, or both."""
+
+    id: str
+    label: str  # the cause's label in the tab, or the sign's title on the card
+    verdict: Test | None = None
+    sign: Test | None = None
+    remedies: tuple[Offer, ...] = ()
+    needs_incident: bool | None = True  # True: only with an incident; False: only without
+    title: str | None = None  # the sign's title when the entry is a verdict too
+
+    @property
+    def kind(self) -> str:
+        return "verdict" if self.verdict is not None else "sign"
+
+
+# -- when a cause offers a remedy --------------------------------------------------
+
+
+def _probabilities(f: Facts) -> bool:
+    return f.outputs_probabilities
+
+
+def _saturated_or_probabilities(f: Facts) -> bool:
+    return f.evidence.get("saturated") is True or f.evidence.get("outputs_probabilities") is True
+
+
+def _loss_reads_logits(f: Facts) -> bool:
+    return f.loss_from_logits is True
+
+
+def _inf(f: Facts) -> bool:
+    return "inf" in str(f.evidence.get("kind"))
+
+
+def _inf_in_target(f: Facts) -> bool:
+    return _inf(f) and is_target_tensor(f.evidence.get("tensor"))
+
+
+def _inf_in_input(f: Facts) -> bool:
+    return _inf(f) and not _inf_in_target(f)
+
+
+def _lr_spike(f: Facts) -> bool:
+    ratio = f.number("lr_ratio")
+    return ratio is not None and ratio >= optimizer.LR_SPIKE
+
+
+def _no_lr_spike(f: Facts) -> bool:
+    return not _lr_spike(f)
+
+
+def _no_zero_gradient(f: Facts) -> bool:
+    return not f.evidence.get("zero_gradients")
+
+
+# -- the table ---------------------------------------------------------------------
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "nonfinite_weights",
+        "Weights already NaN/Inf before the step",
+        verdict=data.nonfinite_weights,
+        remedies=(Offer("fix_weights"), Offer("fix_code")),
+        needs_incident=None,  # a broken start outranks everything, incident or not
+    ),
+    Rule(
+        "input_data",
+        "Bad input data",
+        verdict=data.input_data,
+        remedies=(
+            Offer("scale_targets", when=_inf_in_target),
+            Offer("normalize_inputs", when=_inf_in_input),
+            Offer("drop_bad_rows"),
+        ),
+    ),
+    Rule(
+        "growth_overflow",
+        "Overflow after growth",
+        verdict=growth.growth_overflow,
+        remedies=(
+            Offer("lower_lr"),
+            Offer("clip_gradients"),
+            Offer("lr_warmup"),
+            Offer("from_logits", when=_probabilities),
+        ),
+    ),
+    Rule(
+        "fp16_overflow",
+        "float16 overflow",
+        verdict=precision.fp16_overflow,
+        remedies=(Offer("float32_policy"), Offer("normalize_inputs")),
+    ),
+    Rule(
+        "forward_math",
+        "Math error in the forward pass",
+        verdict=math_errors.forward_math,
+        remedies=(Offer("fix_code"),),
+    ),
+    Rule(
+        "loss_math",
+        "Math error in the loss",
+        verdict=math_errors.loss_math,
+        remedies=(
+            Offer("from_logits", when=_saturated_or_probabilities),
+            Offer("clip_predictions"),
+            Offer("from_logits"),
+            Offer("lower_lr", when=_saturated_or_probabilities),
+            Offer("fix_code", when=_loss_reads_logits),
+        ),
+    ),
+    Rule(
+        "backward_math",
+        "Math error in the backward pass",
+        verdict=math_errors.backward_math,
+        remedies=(Offer("fix_code"), Offer("clip_predictions")),
+    ),
+    Rule(
+        "optimizer_update",
+        "Optimizer update broke the weights",
+        verdict=optimizer.optimizer_update,
+        remedies=(
+            Offer("fix_schedule", when=_lr_spike),
+            Offer("raise_epsilon", when=_no_lr_spike),
+            Offer("lower_lr"),
+            Offer("clip_gradients"),
+            Offer("raise_epsilon"),
+            Offer("fix_schedule", when=_no_zero_gradient),
+        ),
+    ),
+    Rule(
+        "explosion",
+        "Explosion (no NaN/Inf yet)",
+        verdict=growth.explosion,
+        sign=growth.explosion_sign,
+        title="Training is exploding",
+        remedies=(
+            Offer("lower_lr"),
+            Offer("clip_gradients"),
+            Offer("lr_warmup"),
+            Offer("normalize_inputs"),
+            Offer("scale_targets"),
+        ),
+        needs_incident=False,
+    ),
+    Rule(
+        "unknown",
+        "Unknown cause",
+        verdict=math_errors.unknown,
+        remedies=(Offer("fix_code"),),
+    ),
+    Rule("input_nonfinite", "Non-finite input data", sign=data.input_nonfinite),
+    Rule(
+        "backward_origin",
+        "Finite forward pass, non-finite gradient",
+        sign=math_errors.backward_origin,
+    ),
+    Rule("adam_epsilon", "Optimizer update divided by ~0", sign=optimizer.adam_epsilon),
+    Rule(
+        "saturated_output",
+        "Saturated sigmoid/softmax fed to the loss",
+        sign=math_errors.saturated_output,
+    ),
+    Rule("logits_rising", "Logits grew until the loss broke", sign=growth.logits_rising),
+    Rule("grad_norm_spike", "Gradient norm exploded", sign=growth.grad_norm_spike),
+)
+
+# A short label for each cause id, in the order the tab lists them (the decision order).
+CAUSE_LABELS = {rule.id: rule.label for rule in RULES if rule.kind == "verdict"}
+CAUSE_IDS = tuple(CAUSE_LABELS)
+
+
+# -- the engine --------------------------------------------------------------------
+
+
+def diagnose(rec: Record, batch: object = None) -> dict | None:
+    """The cause of the run's incident or explosion, or None for a healthy run.
+
+    ``batch``: the offending batch's arrays when at hand (a list, or a dict
+    such as a bundle's ``batch/<i>`` arrays): ``input_data`` then names the
+    sample rows.
+    """
+    case = Case(rec, batch)
+    for rule in RULES:
+        if rule.verdict is None or not _runs(rule, case):
+            continue
+        finding = rule.verdict(case)
+        if finding is not None:
+            return _verdict(rule, case, finding)
+    return None
+
+
+def compute_hints(rec: Record) -> list[dict]:
+    """Every sign the record supports, as hints for the card, most specific first."""
+    case = Case(rec)
+    hints = []
+    for rule in RULES:
+        if rule.sign is None or not _runs(rule, case):
+            continue
+        finding = rule.sign(case)
+        if finding is not None:
+            hints.append(
+                {
+                    "id": rule.id,
+                    "title": rule.title or rule.label,
+                    "text": finding.text,
+                    "evidence": clean_evidence(finding.evidence),
+                }
+            )
+    return hints
+
+
+def describe(cause: dict | None) -> str:
+    """The cause in one line (the console message at the incident)."""
+    if not cause:
+        return "cause: none (no NaN/Inf, no explosion)"
+    remedy = f" First try: {cause['remedies'][0]}" if cause.get("remedies") else ""
+    return f"cause {cause['id']}: {cause['summary']}{remedy}"
+
+
+def offered(rule: Rule, facts: Facts) -> list[str]:
+    """The remedy ids ``rule`` offers on ``facts``, ranked, each once."""
+    chosen: list[str] = []
+    for offer in rule.remedies:
+        if offer.remedy in chosen or (offer.when is not None and not offer.when(facts)):
+            continue
+        if remedies.CATALOGUE[offer.remedy].applies(facts):
+            chosen.append(offer.remedy)
+    return chosen
+
+
+def _runs(rule: Rule, case: Case) -> bool:
+    return rule.needs_incident is None or rule.needs_incident == (case.rec.incident is not None)
+
+
+def _verdict(rule: Rule, case: Case, finding: Finding) -> dict:
+    evidence = clean_evidence(finding.evidence)
+    facts = Facts(
+        cause=rule.id,
+        evidence=evidence,
+        summary=case.rec.summary,
+        mixed_precision=case.mixed_precision(),
+        outputs_probabilities=case.outputs_probabilities(),
+    )
+    ids = offered(rule, facts)
+    return {
+        "id": rule.id,
+        "summary": finding.text,
+        "evidence": evidence,
+        "remedies": [remedies.CATALOGUE[i].text(facts) for i in ids],
+        "remedy_ids": ids,
+    }

@@ -1,0 +1,272 @@
+"""Rules on growth: training exploded, before or without a NaN/Inf.
+
+The verdicts ``growth_overflow`` (the first non-finite value is the overflow
+of a growth) and ``explosion`` (no NaN/Inf yet), and the signs that show a
+growth on the card: logits rising, a gradient-norm spike, an explosion.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tb_nanwatch.evidence import diagnosis
+from tb_nanwatch.evidence.causes.case import Case, Finding, abs_logits, largest_layer, signal
+from tb_nanwatch.evidence.options import WatchOptions
+from tb_nanwatch.evidence.recorded import Series
+from tb_nanwatch.evidence.remedies import fmt
+
+# The series steps replayed through the explosion rule before an incident.
+SERIES_REPLAY = 2048
+SERIES_SIGNALS = (("loss", None), ("grad_norm", None), ("logits", None))
+# Logits rising: at least this many consecutive increases, growing this much;
+# or, for noisy series, a steady trend: over the last TREND_STEPS finite steps
+# (at least TREND_MIN_STEPS), the medians of TREND_SEGMENTS equal segments
+# strictly increase and the last is TREND_GROWTH x the first.
+MIN_RISING_STEPS = 5
+MIN_RISING_GROWTH = 1.5
+TREND_STEPS = 200
+TREND_MIN_STEPS = 50
+TREND_SEGMENTS = 5
+TREND_GROWTH = 2.0
+# Gradient-norm spike: peak in the last steps vs the median before them.
+SPIKE_WINDOW = 10
+SPIKE_RATIO = 1000.0
+MIN_BASELINE_STEPS = 10
+# Explosion sign: the signal's peak after onset vs its median before.
+EXPLOSION_CONFIRM_RATIO = 10.0
+
+
+def growth_candidates(case: Case) -> list[dict]:
+    """Signals above the explosion line at the incident step, earliest onset
+    first: the series (loss, gradient norm, logits) and the flight window
+    (those and every layer's max |x|) replayed through the one explosion rule
+    (:class:`~tb_nanwatch.evidence.diagnosis.ExplosionDetector`)."""
+    default = WatchOptions.explosion_factor
+    factor = case.rec.summary.get("explosion_factor", default)
+    factor = factor if isinstance(factor, (int, float)) and factor > 10 else default
+    found: list[dict] = []
+    series = case.rec.series
+    if series is not None and case.step is not None and len(series):
+        keep = series.steps <= case.step
+        steps = series.steps[keep][-SERIES_REPLAY:]
+        detector = diagnosis.ExplosionDetector(SERIES_SIGNALS, factor=factor)
+        columns = _series_signals(series, keep)
+        for row, step in enumerate(steps):
+            detector.update(int(step), columns[row - len(steps)])
+        found += detector.pending()
+    flight = case.rec.flight
+    if flight is not None and case.step is not None:
+        reader = diagnosis.SignalReader(flight.schema)
+        detector = diagnosis.ExplosionDetector(reader.signals, factor=factor)
+        for step in flight.steps:
+            if step <= case.step:
+                detector.update(step, reader.values(flight.vector(step)))
+        found += detector.pending()
+    return sorted(found, key=lambda o: o["step"])
+
+
+def _series_signals(series: Series, keep: np.ndarray) -> np.ndarray:
+    def column(name: str) -> np.ndarray:
+        values = signal(series, name)
+        return np.full(int(keep.sum()), np.nan) if values is None else values[keep]
+
+    return np.stack([column(name) for name, _ in SERIES_SIGNALS], axis=1)
+
+
+def growth_overflow(case: Case) -> Finding | None:
+    """Loss, gradient norm, logits or activations grew by orders of magnitude
+    up to the first non-finite value, which is then an overflow."""
+    if diagnosis.from_loss_scaler(case.rec.incident) and case.incident.get("layer") is None:
+        return None  # the scaler's own rule: see fp16_overflow
+    candidates = growth_candidates(case)
+    if not candidates:
+        return None
+    onset = candidates[0]
+    grown = onset["signal"] + (f" of {onset['layer']}" if onset.get("layer") else "")
+    layer, largest = largest_layer(case)
+    return Finding(
+        f"The {grown} grew {fmt(onset['factor'])}x from step {onset['step']} on, until "
+        f"the first non-finite value ({case.text()}) overflowed: training was exploding"
+        + (f"; {layer}'s output had already reached {fmt(largest)}" if layer else "")
+        + ".",
+        {
+            "onset_step": onset["step"],
+            "signal": onset["signal"],
+            "layer": onset.get("layer"),
+            "growth_factor": onset["factor"],
+            "first_nonfinite_step": case.step,
+            "largest_layer": layer,
+            "largest_max_abs": largest,
+            "lr": case.header("lr", onset["step"]),
+        },
+    )
+
+
+def explosion(case: Case) -> Finding | None:
+    """No NaN/Inf, but an explosion onset."""
+    onset = case.rec.explosion
+    if not onset or not isinstance(onset.get("step"), int):
+        return None
+    step, name = onset["step"], str(onset.get("signal"))
+    where = f" of {onset['layer']}" if onset.get("layer") else ""
+    factor = onset.get("factor")
+    return Finding(
+        f"The {name}{where} exploded from step {step} on"
+        + (f" ({fmt(factor)}x its reference level)" if factor is not None else "")
+        + ", without NaN/Inf so far.",
+        {
+            "onset_step": step,
+            "signal": name,
+            "layer": onset.get("layer"),
+            "growth_factor": factor,
+            "lr": case.header("lr", step),
+        },
+    )
+
+
+def explosion_sign(case: Case) -> Finding | None:
+    """Sign: a blow-up that has not (yet) produced NaN/Inf, confirmed by the series."""
+    rec = case.rec
+    if rec.incident or not rec.explosion or rec.series is None:
+        return None
+    onset, name = rec.explosion.get("step"), rec.explosion.get("signal")
+    if not isinstance(onset, int) or not isinstance(name, str):
+        return None
+    values = signal(rec.series, name)
+    if values is None:
+        return None
+    finite = np.isfinite(values)
+    before = values[finite & (rec.series.steps < onset)]
+    after = values[finite & (rec.series.steps >= onset)]
+    if not len(before) or not len(after):
+        return None
+    median, peak = float(np.median(before)), float(np.max(after))
+    if not median > 0 or peak / median < EXPLOSION_CONFIRM_RATIO:
+        return None
+    lr = rec.series.value("lr", onset)
+    lr_text = f" (lr = {fmt(lr, 4)} at onset)" if lr is not None and lr > 0 else ""
+    return Finding(
+        f"The {name} started to explode at step {onset}: it peaked at {fmt(peak, 4)}, "
+        f"{peak / median:.3g}x its median before ({fmt(median, 4)}), without NaN/Inf so "
+        f"far. Lower the learning rate{lr_text} or clip gradients (clipnorm / "
+        "global_clipnorm).",
+        {
+            "step": onset,
+            "signal": name,
+            "median_before": median,
+            "peak": peak,
+            "ratio": peak / median,
+            "lr": lr if lr is not None and math.isfinite(lr) else None,
+        },
+    )
+
+
+OVERCONFIDENT = (
+    "The model is becoming over-confident: lower the learning rate, add label "
+    "smoothing or regularization, and compute the loss from logits."
+)
+
+
+def logits_rising(case: Case) -> Finding | None:
+    """Sign: |logits| rose step after step before the loss became non-finite."""
+    rec = case.rec
+    if rec.phase != "loss" or rec.series is None or rec.step is None:
+        return None
+    values = abs_logits(rec.series)
+    end = rec.series.index_of(rec.step)
+    if values is None or end is None:
+        return None
+    steps = rec.series.steps
+    if not math.isfinite(values[end]):
+        end -= 1
+    if end < 0 or not math.isfinite(values[end]):
+        return None
+    first = end
+    while (
+        first > 0
+        and steps[first - 1] == steps[first] - 1
+        and math.isfinite(values[first - 1])
+        and values[first - 1] < values[first]
+    ):
+        first -= 1
+    rises = end - first
+    low, high = float(values[first]), float(values[end])
+    if rises >= MIN_RISING_STEPS and high >= MIN_RISING_GROWTH * low:
+        return Finding(
+            f"The largest |logit| rose for {rises} consecutive steps, from {fmt(low, 4)} "
+            f"(step {int(steps[first])}) to {fmt(high, 4)} (step {int(steps[end])}), before "
+            f"the loss became {rec.incident.get('kind', 'non-finite')} at step {rec.step}. "
+            + OVERCONFIDENT,
+            {
+                "steps": rises,
+                "first": low,
+                "last": high,
+                "first_step": int(steps[first]),
+                "last_step": int(steps[end]),
+            },
+        )
+    return _logits_trend(case, values, steps, end)
+
+
+def _logits_trend(case: Case, values: np.ndarray, steps: np.ndarray, end: int) -> Finding | None:
+    """The noisy form of logits rising: segment medians of |logits| climbing steadily."""
+    start = max(0, end + 1 - TREND_STEPS)
+    window = values[start : end + 1]
+    window_steps = steps[start : end + 1]
+    finite = np.isfinite(window)
+    window, window_steps = window[finite], window_steps[finite]
+    if len(window) < TREND_MIN_STEPS:
+        return None
+    medians = [float(np.median(part)) for part in np.array_split(window, TREND_SEGMENTS)]
+    increasing = all(a < b for a, b in zip(medians, medians[1:], strict=False))
+    if not increasing or not medians[-1] >= TREND_GROWTH * medians[0]:
+        return None
+    first_step, last_step = int(window_steps[0]), int(window_steps[-1])
+    return Finding(
+        f"The largest |logit| climbed steadily over the {len(window)} steps before the "
+        f"incident: its median over {TREND_SEGMENTS} successive stretches went "
+        + " -> ".join(fmt(m, 4) for m in medians)
+        + f" (steps {first_step}-{last_step}), before the loss became "
+        f"{case.incident.get('kind', 'non-finite')} at step {case.step}. " + OVERCONFIDENT,
+        {
+            "steps": len(window),
+            "first": medians[0],
+            "last": medians[-1],
+            "first_step": first_step,
+            "last_step": last_step,
+        },
+    )
+
+
+def grad_norm_spike(case: Case) -> Finding | None:
+    """Sign: the global gradient norm x1000 above its earlier median."""
+    series, step = case.rec.series, case.step
+    if series is None or step is None or "grad_norm" not in series.columns:
+        return None
+    norms = series.columns["grad_norm"].astype(np.float64)
+    finite = np.isfinite(norms)
+    recent = finite & (series.steps <= step) & (series.steps >= step - SPIKE_WINDOW)
+    earlier = finite & (series.steps < step - SPIKE_WINDOW)
+    if not recent.any() or earlier.sum() < MIN_BASELINE_STEPS:
+        return None
+    median = float(np.median(norms[earlier]))
+    index = np.flatnonzero(recent)[np.argmax(norms[recent])]
+    peak = float(norms[index])
+    if not median > 0 or peak / median < SPIKE_RATIO:
+        return None
+    ratio = peak / median
+    return Finding(
+        f"The global gradient norm reached {fmt(peak, 4)} at step {int(series.steps[index])}, "
+        f"{ratio:.3g}x its median ({fmt(median, 4)}) over the {int(earlier.sum())} earlier "
+        "steps. Clip gradients (e.g. clipnorm=1.0 or global_clipnorm) or lower the "
+        "learning rate.",
+        {
+            "ratio": ratio,
+            "grad_norm": peak,
+            "grad_norm_step": int(series.steps[index]),
+            "median": median,
+            "median_steps": int(earlier.sum()),
+        },
+    )

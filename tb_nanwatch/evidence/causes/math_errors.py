@@ -1,0 +1,242 @@
+"""Rules on math errors: a layer, the loss or a derivative made the first
+NaN/Inf from finite inputs; and ``unknown``, what was seen when no rule fits.
+
+Verdicts ``forward_math``, ``loss_math``, ``backward_math``, ``unknown``; the
+card's signs of a saturated output and of a finite forward pass with a
+non-finite gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tb_nanwatch.evidence import diagnosis
+from tb_nanwatch.evidence.causes.case import (
+    SATURATED_LOGIT,
+    Case,
+    Finding,
+    abs_logits,
+    count,
+    largest_layer,
+    max_abs,
+    predecessors,
+    weights_before,
+)
+from tb_nanwatch.evidence.remedies import fmt
+from tb_nanwatch.evidence.schema import Entry
+
+# A layer input is of ordinary size when its max |x| is at most this many times
+# its median over the earlier steps of the flight window (never below 1) ...
+ORDINARY_GROWTH = 100.0
+# ... or, without earlier steps, at most this; and never beyond the ceiling.
+ORDINARY_MAX = 1e6
+ORDINARY_CEILING = 1e15
+
+
+def _ordinary(case: Case, entry: Entry, magnitude: float) -> bool:
+    if not math.isfinite(magnitude) or magnitude > ORDINARY_CEILING:
+        return False
+    earlier = []
+    for step in case.rec.flight.steps:
+        vector = case.rec.flight.vector(step)
+        if step < case.step and not diagnosis.entry_nonfinite(vector, entry):
+            earlier.append(max_abs(vector, entry))
+    earlier = [m for m in earlier if math.isfinite(m)]
+    if not earlier:
+        return magnitude <= ORDINARY_MAX
+    return magnitude <= ORDINARY_GROWTH * max(float(np.median(earlier)), 1.0)
+
+
+def forward_math(case: Case) -> Finding | None:
+    """A layer's inputs were finite and of ordinary size, its output was not."""
+    if case.incident.get("phase") != "forward":
+        return None
+    origin, vector = case.origin_entry(), case.vector
+    if origin is None or vector is None:
+        return None
+    inputs = [(max_abs(vector, e), e) for e in predecessors(case, origin)]
+    if not all(_ordinary(case, e, m) for m, e in inputs):
+        return None
+    layer = case.incident.get("layer")
+    weights = weights_before(case, layer)
+    if weights is None:
+        return None  # the layer's own weights may have been broken already
+    largest = max(inputs, key=lambda pair: pair[0], default=(None, None))
+    return Finding(
+        f"{layer} turned finite inputs of ordinary size (largest |x| {fmt(largest[0])}) "
+        f"into {case.text()}: a math error inside the layer.",
+        {
+            "layer": layer,
+            "tensor": case.incident.get("tensor"),
+            "kind": case.incident.get("kind"),
+            "step": case.step,
+            "nonfinite_values": count(vector, origin),
+            "input_max_abs": largest[0],
+            "input_tensor": largest[1].tensor if largest[1] is not None else None,
+            "previous_tensor": inputs[-1][1].tensor if inputs else None,
+            "previous_max_abs": inputs[-1][0] if inputs else None,
+            "weights_before": weights,
+        },
+    )
+
+
+def _max_abs_logit(case: Case) -> float | None:
+    vector = case.vector
+    values = []
+    if vector is not None:
+        for entry in case.rec.schema.find(kind="logits"):
+            if not diagnosis.entry_nonfinite(vector, entry):
+                values.append(max_abs(vector, entry))
+    elif case.rec.series is not None:
+        logits, index = abs_logits(case.rec.series), case.rec.series.index_of(case.step)
+        if logits is not None and index is not None:
+            values.append(float(logits[index]))
+    values = [v for v in values if math.isfinite(v)]
+    return max(values) if values else None
+
+
+def loss_math(case: Case) -> Finding | None:
+    """The predictions were finite, the loss was not."""
+    if case.incident.get("phase") != "loss" or diagnosis.from_loss_scaler(case.rec.incident):
+        return None
+    logit = _max_abs_logit(case)
+    saturated = logit is not None and logit > SATURATED_LOGIT
+    from_logits = case.rec.summary.get("loss_from_logits")
+    detail = (
+        f"; the final activation was saturated (|logit| {fmt(logit)})"
+        if saturated
+        else (f"; |logit| was {fmt(logit)}" if logit is not None else "")
+    )
+    return Finding(
+        f"The predictions were finite and the loss was not ({case.text()}): the loss "
+        f"function broke, typically log(0) of a probability rounded to 0 or 1{detail}.",
+        {
+            "step": case.step,
+            "tensor": case.incident.get("tensor"),
+            "kind": case.incident.get("kind"),
+            "max_abs_logit": logit,
+            "saturated": saturated,
+            "saturation_threshold": SATURATED_LOGIT,
+            "outputs_probabilities": case.outputs_probabilities(),
+            "from_logits": from_logits if isinstance(from_logits, bool) else "not recorded",
+        },
+    )
+
+
+def backward_math(case: Case) -> Finding | None:
+    """The forward pass and the loss were finite, a derivative was not."""
+    if case.incident.get("phase") != "backward" or diagnosis.from_loss_scaler(case.rec.incident):
+        return None
+    loss = case.header("loss", case.step)
+    if loss is None or not math.isfinite(loss):
+        return None
+    layer = case.incident.get("layer")
+    return Finding(
+        f"The forward pass and the loss ({fmt(loss)}) were finite, then {case.text()}: "
+        f"a derivative inside {layer} is infinite at a finite input (sqrt or log at 0, pow, "
+        "a custom gradient).",
+        {
+            "layer": layer,
+            "tensor": case.incident.get("tensor"),
+            "kind": case.incident.get("kind"),
+            "step": case.step,
+            "loss": loss,
+        },
+    )
+
+
+def unknown(case: Case) -> Finding:
+    """An incident no rule explains: what was seen, and no guess."""
+    layer, largest = largest_layer(case)
+    return Finding(
+        f"{case.text()}; the recorded evidence fits no known cause.",
+        {
+            "phase": case.incident.get("phase"),
+            "layer": case.incident.get("layer"),
+            "tensor": case.incident.get("tensor"),
+            "kind": case.incident.get("kind"),
+            "step": case.step,
+            "note": case.incident.get("note"),
+            "largest_layer": layer,
+            "largest_max_abs": largest,
+        },
+    )
+
+
+def saturated_output(case: Case) -> Finding | None:
+    """Sign: the loss broke on a saturated final sigmoid/softmax: use from_logits."""
+    rec = case.rec
+    if rec.phase != "loss" or rec.step is None:
+        return None
+    entries = [e for e in rec.schema.find(kind="logits") if e.before_final_activation]
+    if not entries:
+        return None
+    best, output = -math.inf, None
+    vector = rec.vector(rec.step)
+    if vector is not None:
+        for entry in entries:
+            magnitude = max_abs(vector, entry)
+            if math.isfinite(magnitude) and magnitude > best:
+                best, output = magnitude, entry.layer
+    elif rec.series is not None:
+        values = abs_logits(rec.series)
+        index = rec.series.index_of(rec.step)
+        if values is not None and index is not None and math.isfinite(values[index]):
+            best = float(values[index])
+            output = entries[0].layer if len(entries) == 1 else None
+    if not best > SATURATED_LOGIT:
+        return None
+    where = f" of output {output}" if output else ""
+    return Finding(
+        f"At step {rec.step} the logits{where} reached |{fmt(best, 4)}| (above "
+        f"{SATURATED_LOGIT:g}): the final sigmoid/softmax outputs exactly 0 or 1 in "
+        "float32, and a cross-entropy computed on these probabilities takes log(0). "
+        "Remove the final activation and use from_logits=True (or compute the loss "
+        "from the logits).",
+        {"max_abs_logit": best, "threshold": SATURATED_LOGIT, "output": output, "step": rec.step},
+    )
+
+
+def backward_origin(case: Case) -> Finding | None:
+    """Sign: the forward pass and loss were finite; a gradient was not."""
+    rec = case.rec
+    if rec.phase != "backward" or rec.step is None or not rec.incident.get("layer"):
+        return None
+    if diagnosis.from_loss_scaler(rec.incident):
+        return None  # the loss scaler's rule, not one op's gradient
+    loss = None
+    output_min = output_max = None
+    vector = rec.vector(rec.step)
+    if vector is not None:
+        for entry in rec.schema.entries:
+            if entry.phase not in ("input", "forward", "loss"):
+                continue
+            if diagnosis.entry_nonfinite(vector, entry):
+                return None
+            values = rec.schema.values(vector, entry)
+            if entry.kind == "loss" and entry.layer is None:
+                loss = values["value"]
+            if entry.kind == "activation" and entry.layer == rec.incident["layer"]:
+                output_min, output_max = values["min"], values["max"]
+    elif rec.series is not None:
+        loss = rec.series.value("loss", rec.step)
+    if loss is None or not math.isfinite(loss):
+        return None
+    layer = rec.incident["layer"]
+    return Finding(
+        f"At step {rec.step} the forward pass and the loss ({fmt(loss, 4)}) were finite, "
+        f"but the {rec.incident.get('tensor')} was {rec.incident.get('kind', 'NaN')}: "
+        f"an op in {layer} has an infinite derivative at a finite input, typically "
+        "sqrt, log, pow or a division at 0 (d/dx sqrt(x) is infinite at x = 0). Add "
+        "an epsilon (sqrt(x + 1e-12)), clip the input away from 0, or use a safe op.",
+        {
+            "layer": layer,
+            "tensor": str(rec.incident.get("tensor")),
+            "step": rec.step,
+            "loss": float(loss),
+            "output_min": output_min,
+            "output_max": output_max,
+        },
+    )

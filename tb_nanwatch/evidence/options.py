@@ -1,0 +1,100 @@
+"""The watcher's options: each one's single default and its validation.
+
+Both front ends (:class:`~tb_nanwatch.record.callback.NanWatch` and
+:class:`~tb_nanwatch.record.custom_loop.StepWatcher`) build a
+:class:`WatchOptions` from their keyword arguments (whose defaults are this
+class's); the journal and the incident rules read it. Pure Python: no
+TensorFlow, so the synthetic runs and the tests build it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+ON_NONFINITE = ("stop", "raise", "continue")
+# Which weights the reproduction bundle holds (see NanWatch's docstring).
+PRE_STEP_WEIGHTS = ("every_step", "on_suspect", "off")
+# The largest flight-recorder window: the journal keeps ``window`` full stats
+# vectors in memory (a few MB each for a large model at the bound).
+MAX_WINDOW = 100_000
+
+
+def positive_int(name: str, value, allow_zero: bool = False, maximum: int | None = None) -> int:
+    """``value`` if it is an int >= 1 (>= 0 with ``allow_zero``) and at most
+    ``maximum``, else a ValueError naming ``name``. A bool is not an int here."""
+    low = 0 if allow_zero else 1
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or value < low
+        or (maximum is not None and value > maximum)
+    ):
+        bound = f">= {low}" if maximum is None else f"in [{low}, {maximum}]"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+    return int(value)
+
+
+def finite_number(name: str, value, low: float, low_inclusive: bool = True) -> float:
+    """``value`` if it is a finite real number above ``low`` (or equal with
+    ``low_inclusive``), else a ValueError naming ``name``. A bool is not a number here."""
+    is_number = isinstance(value, (int, float, np.integer, np.floating))
+    if isinstance(value, bool) or not is_number or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < low or (value == low and not low_inclusive):
+        bound = f">= {low:g}" if low_inclusive else f"> {low:g}"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
+def one_of(name: str, value, allowed: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``allowed``, else a ValueError naming ``name``."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchOptions:
+    """The options NanWatch and StepWatcher share (documented on NanWatch).
+
+    Every field is checked at construction (a ValueError naming it) and
+    normalised (an ``np.int64`` window becomes an int, ``min_loss_scale=0``
+    a float). A field's default here is its only default: the front ends'
+    keyword defaults read it (``WatchOptions.window``).
+    """
+
+    on_nonfinite: str = "stop"
+    window: int = 32
+    max_consecutive_skips: int = 20
+    min_loss_scale: float = 1.0
+    snapshot_every: int = 1000
+    flush_secs: float = 10.0
+    pre_step_weights: str = "on_suspect"
+    explosion_factor: float = 1e3
+
+    def __post_init__(self) -> None:
+        checked = {
+            "on_nonfinite": one_of("on_nonfinite", self.on_nonfinite, ON_NONFINITE),
+            "pre_step_weights": one_of("pre_step_weights", self.pre_step_weights, PRE_STEP_WEIGHTS),
+            "window": positive_int("window", self.window, maximum=MAX_WINDOW),
+            "max_consecutive_skips": positive_int(
+                "max_consecutive_skips", self.max_consecutive_skips, allow_zero=True
+            ),
+            "snapshot_every": positive_int("snapshot_every", self.snapshot_every, allow_zero=True),
+            "flush_secs": finite_number("flush_secs", self.flush_secs, 0.0, low_inclusive=False),
+            "explosion_factor": finite_number(
+                "explosion_factor", self.explosion_factor, 10.0, low_inclusive=False
+            ),
+            "min_loss_scale": finite_number("min_loss_scale", self.min_loss_scale, 0.0),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)  # frozen: normalised once, here
+
+    @classmethod
+    def from_arguments(cls, arguments: dict[str, Any]) -> WatchOptions:
+        """The options among a front end's constructor arguments (same names)."""
+        return cls(**{f.name: arguments[f.name] for f in dataclasses.fields(cls)})
