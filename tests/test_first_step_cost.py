@@ -84,8 +84,8 @@ def test_each_step_build_chooses_its_statistics_backend_once(jit_compile, monkey
     chosen = []
     choose = backend.for_current_graph
 
-    def recorded():
-        chosen.append(choose())
+    def recorded(facts=None):
+        chosen.append(choose(facts))
         return chosen[-1]
 
     monkeypatch.setattr(backend, "for_current_graph", recorded)
