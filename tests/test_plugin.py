@@ -108,7 +108,7 @@ def test_hostile_run_name_comes_back_as_plain_json_string(client):
 
 
 def test_newer_format_run_is_skipped_with_one_warning(py_client, caplog):
-    reader._warned.clear()
+    reader.skip_warnings.forget()
     with caplog.at_level(logging.WARNING, logger="tb_nanwatch.board.reader"):
         for _ in range(3):
             body = get_json(py_client, f"{PLUGIN}/runs")

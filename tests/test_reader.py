@@ -215,7 +215,7 @@ def test_fake_runs_good_and_bad_are_sorted_out(caplog):
             "no_summary": {metadata.series_tag(0): (_content("series"), [_datum(0, series)])},
         }
     )
-    reader._warned.clear()
+    reader.skip_warnings.forget()
     with caplog.at_level(logging.WARNING, logger="tb_nanwatch.board.reader"):
         runs = reader.load_runs(fake, CTX, "")
         reader.load_runs(fake, CTX, "")  # warnings are not repeated

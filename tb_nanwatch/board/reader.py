@@ -40,23 +40,52 @@ _EXPECTED_KIND = {
     metadata.TAG_FLIGHT: metadata.KIND_FLIGHT,
 }
 
-_warned: set[tuple[str, str]] = set()
-_warned_lock = threading.Lock()
-
 
 class UnreadableError(ValueError):
     """Raised internally for data that cannot be decoded."""
 
 
+class OncePerRunAndReason(logging.Filter):
+    """Lets each "skipping run" warning through once per (run, reason): an
+    unreadable run is skipped on every request and says so once. The filter
+    is the logger's, so the memory of what was said lives with the logger."""
+
+    LIMIT = 10_000  # then it forgets all and may say each once more
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._said: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = getattr(record, "nanwatch_skip", None)
+        if key is None:
+            return True
+        with self._lock:
+            if key in self._said:
+                return False
+            if len(self._said) >= self.LIMIT:
+                self._said.clear()
+            self._said.add(key)
+        return True
+
+    def forget(self) -> None:
+        """Says each warning once more (for tests, and a reloaded log dir)."""
+        with self._lock:
+            self._said.clear()
+
+
+skip_warnings = OncePerRunAndReason()
+logger.addFilter(skip_warnings)
+
+
 def _warn_once(run: str, reason: str) -> None:
-    key = (run, reason)
-    with _warned_lock:
-        if key in _warned:
-            return
-        if len(_warned) > 10_000:
-            _warned.clear()
-        _warned.add(key)
-    logger.warning("nanwatch: skipping run %r: %s", run, " ".join(reason.split("\n")))
+    logger.warning(
+        "nanwatch: skipping run %r: %s",
+        run,
+        " ".join(reason.split("\n")),
+        extra={"nanwatch_skip": (run, reason)},
+    )
 
 
 def _tag_kind(tag: str) -> str | None:
