@@ -96,6 +96,7 @@ def test_each_step_build_chooses_its_statistics_backend_once(jit_compile, monkey
     with traced_graphs() as graphs:
         model.fit(**kwargs, epochs=1, callbacks=[watch], verbose=0)
     assert [type(s) for s in chosen] == [XlaStats if jit_compile else GraphStats] * len(graphs)
+    assert watch.journal.run_info["jit_compile"] is jit_compile  # Keras kept (or left) XLA
     assert origin(watch.incident) == truth
     tagged = [
         t.name

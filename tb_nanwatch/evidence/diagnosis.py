@@ -376,10 +376,10 @@ class ExplosionDetector:
 
     def _steady_update(self, step: int, values: np.ndarray) -> dict | None | bool:
         """:meth:`update` once every ring is full, for a step whose values
-        are all finite: the same rule, in less time (it runs on every
-        training step; on the bench machine 24 us against the general
-        path's 65 for 15 signals, 36 us against 163 for 300). False when a
-        reference is 0 (the general path judges that step).
+        are all finite: the same rule in a few times less time than the
+        general path (it runs on every training step; the timing is in
+        bench/history/RESULTS-history.md). False when a reference is 0 (the
+        general path judges that step).
 
         A median can only lower ``_lowest`` if half the ring lies below
         it, so medians are taken only for the signals where it does (a

@@ -70,9 +70,7 @@ def logit_extremes(name: str, logits, step=None) -> tuple[tf.Tensor, tf.Tensor]:
     if not tensors:
         raise ValueError("logit_extremes needs at least one tensor")
     stats = backend.for_current_graph()
-    pairs = [stats.low_high(t) for t in tensors]
-    low = _min_of([p[0] for p in pairs])
-    high = _max_of([p[1] for p in pairs])
+    low, high = backend.overall_extremes([stats.low_high(t) for t in tensors])
     # reduce_min/max skip NaN on some kernels: make a NaN visible.
     poisoned = stats.exact_total("nan", tensors) > 0
     nan = tf.constant(float("nan"))
@@ -120,14 +118,6 @@ def grad_norms(name: str, grads, variables=None, step=None, per_variable: bool =
         step=step,
     )
     return norm
-
-
-def _min_of(values: list[tf.Tensor]) -> tf.Tensor:
-    return values[0] if len(values) == 1 else tf.reduce_min(tf.stack(values))
-
-
-def _max_of(values: list[tf.Tensor]) -> tf.Tensor:
-    return values[0] if len(values) == 1 else tf.reduce_max(tf.stack(values))
 
 
 def _variable_name(variable) -> str:

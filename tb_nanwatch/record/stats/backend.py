@@ -64,7 +64,6 @@ def for_current_graph(facts: DeviceFacts | None = None) -> StatsBackend:
     from tb_nanwatch.record.stats.graph import GraphStats
     from tb_nanwatch.record.stats.xla import XlaStats
 
-    facts = facts if facts is not None else DeviceFacts()
     return XlaStats(facts) if in_xla() else GraphStats(facts)
 
 
@@ -190,11 +189,7 @@ class StatsBackend:
         With ``taken_extremes`` (for the builder) a backend may give one
         tensor's min and max in a form the builder converts later."""
         pairs = [self.low_high(t) for t in tensors]
-        if len(pairs) == 1:
-            low, high = pairs[0]
-        else:
-            low = tf.reduce_min(tf.stack([p[0] for p in pairs]))
-            high = tf.reduce_max(tf.stack([p[1] for p in pairs]))
+        low, high = overall_extremes(pairs)
         floating = [t for t in tensors if t.dtype.is_floating]
         if not floating:
             zero = tf.constant(0.0)
@@ -287,6 +282,15 @@ class StatsBackend:
             traced = tf.function(function, autograph=False, reduce_retracing=False)
             self._functions[key] = traced.get_concrete_function(*specs)
         return self._functions[key]
+
+
+def overall_extremes(pairs: list[tuple[tf.Tensor, tf.Tensor]]) -> tuple[tf.Tensor, tf.Tensor]:
+    """(min, max) over several tensors' (min, max) pairs."""
+    if len(pairs) == 1:
+        return pairs[0]
+    low = tf.reduce_min(tf.stack([p[0] for p in pairs]))
+    high = tf.reduce_max(tf.stack([p[1] for p in pairs]))
+    return low, high
 
 
 def dense_gradients(grads: list) -> list[tf.Tensor]:

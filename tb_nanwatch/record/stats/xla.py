@@ -254,8 +254,9 @@ class XlaStats(StatsBackend):
     # -- the builder's part ------------------------------------------------------------
 
     def lazy_count_values(self, counts: list[LazyCount], phases: list[str], maybe_nonfinite):
-        """:meth:`counts_in_chunks`: computing every count in place, as
-        reductions of its own, made the compile of ResNet50 7x slower."""
+        """:meth:`counts_in_chunks`: every count computed in place, as a
+        reduction of its own, is a kernel for XLA to compile, and a large
+        model's first step pays for each (docs/xla.md)."""
         return self.counts_in_chunks(counts, phases)
 
     def partial(self, value):
