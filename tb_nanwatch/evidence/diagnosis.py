@@ -4,7 +4,7 @@ The one home of the incident rule: which watched tensor is non-finite
 (:func:`is_nonfinite`), which tensor of a step is the origin
 (:func:`find_origin`), and, step by step, whether the run has its incident or
 its explosion onset (:class:`RunDiagnosis`). Pure Python and NumPy: used by
-the journal while training and by the readers (views, hints, report).
+the journal while training and by the readers (views, the cause engine, report).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def is_nonfinite(nan_count: float, inf_count: float) -> bool:
     The counts alone decide: a norm that overflows float32 over finite
     elements, or a min/max of an empty tensor, is no NaN/Inf of the tensor.
     The compiled step (``recorder``), the journal, the heatmap, the step table
-    and the hints all apply this rule, through the functions of this module.
+    and the cause engine all apply this rule, through the functions of this module.
     """
     return not (nan_count == 0 and inf_count == 0)
 
