@@ -21,6 +21,8 @@ PRE_STEP_WEIGHTS = ("every_step", "on_suspect", "off")
 # The largest flight-recorder window: the journal keeps ``window`` full stats
 # vectors in memory (a few MB each for a large model at the bound).
 MAX_WINDOW = 100_000
+# Remedy trials and rewind points (see record/rewind.py and record/trials.py).
+DEFAULT_REWIND_EVERY = 50
 
 
 def positive_int(name: str, value, allow_zero: bool = False, maximum: int | None = None) -> int:
@@ -50,6 +52,13 @@ def finite_number(name: str, value, low: float, low_inclusive: bool = True) -> f
     return float(value)
 
 
+def a_bool(name: str, value) -> bool:
+    """``value`` if it is a bool, else a ValueError naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def one_of(name: str, value, allowed: tuple[str, ...]) -> str:
     """``value`` if it is one of ``allowed``, else a ValueError naming ``name``."""
     if not isinstance(value, str) or value not in allowed:
@@ -75,6 +84,10 @@ class WatchOptions:
     flush_secs: float = 10.0
     pre_step_weights: str = "on_suspect"
     explosion_factor: float = 1e3
+    rewind_every: int = DEFAULT_REWIND_EVERY
+    rewind_memory_mb: float = 256.0
+    remedy_trials: bool = True
+    trial_budget_s: float = 120.0
 
     def __post_init__(self) -> None:
         checked = {
@@ -90,6 +103,12 @@ class WatchOptions:
                 "explosion_factor", self.explosion_factor, 10.0, low_inclusive=False
             ),
             "min_loss_scale": finite_number("min_loss_scale", self.min_loss_scale, 0.0),
+            "rewind_every": positive_int("rewind_every", self.rewind_every, allow_zero=True),
+            "rewind_memory_mb": finite_number("rewind_memory_mb", self.rewind_memory_mb, 0.0),
+            "remedy_trials": a_bool("remedy_trials", self.remedy_trials),
+            "trial_budget_s": finite_number(
+                "trial_budget_s", self.trial_budget_s, 0.0, low_inclusive=False
+            ),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # frozen: normalised once, here

@@ -88,6 +88,16 @@ class NanWatch(keras.callbacks.Callback):
             (a copy of every trainable weight, each step); ``"off"``.
         explosion_factor: how far above its reference level a signal must
             climb to be an explosion (see ``diagnosis.ExplosionDetector``).
+        rewind_every: take a rewind point (a host copy of the weights and the
+            optimizer's state, plus the batches since) every N steps; the last
+            two are kept. The remedy trials start from it (0: never).
+        rewind_memory_mb: the most host memory the rewind points may hold;
+            above it no rewind point is kept and the trials that need one say
+            ``not_tried`` and why.
+        remedy_trials: after training stops at an incident or an explosion,
+            try each applicable remedy on a copy of the model and report which
+            kept the run finite (False: off).
+        trial_budget_s: the wall-clock budget of all remedy trials of a run.
     """
 
     def __init__(
@@ -101,6 +111,10 @@ class NanWatch(keras.callbacks.Callback):
         pre_step_weights: str = WatchOptions.pre_step_weights,
         explosion_factor: float = WatchOptions.explosion_factor,
         min_loss_scale: float = WatchOptions.min_loss_scale,
+        rewind_every: int = WatchOptions.rewind_every,
+        rewind_memory_mb: float = WatchOptions.rewind_memory_mb,
+        remedy_trials: bool = WatchOptions.remedy_trials,
+        trial_budget_s: float = WatchOptions.trial_budget_s,
     ) -> None:
         super().__init__()
         self.options = WatchOptions.from_arguments(locals())

@@ -82,7 +82,8 @@ class StepWatcher:
         steps_per_execution: how many train steps run per call of your
             compiled function (the device buffer holds one row per step).
         on_nonfinite, window, max_consecutive_skips, min_loss_scale,
-        snapshot_every, flush_secs, pre_step_weights, explosion_factor: as
+        snapshot_every, flush_secs, pre_step_weights, explosion_factor,
+        rewind_every, rewind_memory_mb, remedy_trials, trial_budget_s: as
             for :class:`~tb_nanwatch.record.callback.NanWatch`. With ``"stop"``,
             :meth:`end_step` returns True; with ``"raise"`` it raises
             :class:`~tb_nanwatch.record.callback.NonFiniteError`.
@@ -104,6 +105,10 @@ class StepWatcher:
         window: int = WatchOptions.window,
         max_consecutive_skips: int = WatchOptions.max_consecutive_skips,
         min_loss_scale: float = WatchOptions.min_loss_scale,
+        rewind_every: int = WatchOptions.rewind_every,
+        rewind_memory_mb: float = WatchOptions.rewind_memory_mb,
+        remedy_trials: bool = WatchOptions.remedy_trials,
+        trial_budget_s: float = WatchOptions.trial_budget_s,
         snapshot_every: int = WatchOptions.snapshot_every,
         flush_secs: float = WatchOptions.flush_secs,
         pre_step_weights: str = WatchOptions.pre_step_weights,
