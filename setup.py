@@ -28,6 +28,8 @@ setup(
     extras_require={
         "tensorflow": ["tensorflow>=2.16,<2.22"],
         "tensorflow-cpu": ["tensorflow-cpu>=2.16,<2.22"],
+        # tf_keras (Keras 2) models, for TF_USE_LEGACY_KERAS=1 code bases.
+        "tf-keras": ["tf-keras>=2.16,<2.22"],
         "test": [
             "pytest>=7",
             "pytest-timeout>=2",

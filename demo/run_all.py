@@ -1,4 +1,5 @@
-"""Writes the demo runs (the four seed situations and a healthy run) and shows them.
+"""Writes the demo runs (the four seed situations, seed 003 also as the user's own
+TF1 graph code, and a healthy run) and shows them.
 
     python demo/run_all.py --logdir demo_logs --serve
 
@@ -37,6 +38,7 @@ SCENARIOS = {
     "seed001_lstm_attention_log0": "demo.seed001_lstm_attention_log0",
     "seed002_explosion_no_nan": "demo.seed002_explosion_no_nan",
     "seed003_custom_loop_autoencoder": "demo.seed003_custom_loop_autoencoder",
+    "seed003_tf1_graph_autoencoder": "demo.seed003_tf1_graph_autoencoder",
     "healthy": "demo.healthy_run",
 }
 NAME_WIDTH = max(map(len, SCENARIOS))

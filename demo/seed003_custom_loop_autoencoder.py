@@ -96,7 +96,8 @@ def run(log_dir: str) -> dict:
     data = make_data()
     model = build_autoencoder()
     optimizer = keras.optimizers.Adam(0.01)
-    watcher = tb_nanwatch.StepWatcher(log_dir, model, optimizer)
+    # loss_fn: the replay after training re-runs the step with it, to name the op and line.
+    watcher = tb_nanwatch.StepWatcher(log_dir, model, optimizer, loss_fn=weighted_cross_entropy)
 
     @tf.function
     def train_step(p):

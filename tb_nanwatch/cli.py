@@ -4,7 +4,9 @@
 LOGDIR, the first non-finite step (or "healthy"), the explosion onset and the
 skipped steps. Exit status: 0 when LOGDIR was read, 2 for a bad path or usage.
 ``tb-nanwatch replay RUN_DIR`` re-runs a run's incident step from its bundle and
-names the op and source line of the first NaN/Inf (``tb_nanwatch/replay.py``).
+names the op and source line of the first NaN/Inf (``record/replay.py``), then
+tries each remedy the cause offers on a copy of the model (``record/trials.py``);
+``--import MODULE`` names where custom layers are defined.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import types
 from collections.abc import Sequence
 from typing import TextIO
 
 from tb_nanwatch.board import logdir_walk
+from tb_nanwatch.evidence.printable import printable
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -166,36 +170,200 @@ def _add_export_command(commands) -> None:
     export.set_defaults(handler=_export)
 
 
-# -- replay (tb_nanwatch/replay.py) ------------------------------------------
+# -- replay (tb_nanwatch/record/replay.py, record/trials.py) ------------------------
 
 
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from tb_nanwatch.record import bundle, replay
 
     try:
+        custom = _import_modules(args.imports or [])
+    except Exception as error:  # noqa: BLE001 - the user's module: any error is theirs
+        print(f"tb-nanwatch replay: error: --import: {type(error).__name__}: {error}", file=err)
+        return EXIT_USAGE
+    try:
         saved = bundle.load_bundle(args.run_dir)
-        model, loss_fn = bundle.load_model(saved, unsafe=args.unsafe)
-    except (OSError, ValueError, TypeError) as error:  # TypeError: an unknown custom layer
-        hint = " (pass --unsafe to load it, for a run dir you trust)" * ("safe_mode" in str(error))
-        print(f"tb-nanwatch replay: error: {error}{hint}", file=err)
+    except FileNotFoundError as missing:
+        return _replay_explosion(args, out, err, custom, missing)
+    except (OSError, ValueError) as error:
+        print(f"tb-nanwatch replay: error: {_one_line(error)}", file=err)
+        return EXIT_USAGE
+    try:
+        model, loss_fn = bundle.load_model(saved, unsafe=args.unsafe, custom_objects=custom)
+    except (OSError, ValueError, TypeError) as error:  # TypeError: an unknown custom class
+        print(f"tb-nanwatch replay: error: {_load_error(error, saved.info)}", file=err)
         return EXIT_USAGE
     origin = replay.replay_step(model, saved, loss_fn)
     replay.write_result(saved, origin)
+    run_dir = os.path.dirname(os.path.dirname(saved.directory.rstrip("/")))
+    found = None if args.no_trials else _trials(run_dir, saved, model, loss_fn, err)
     if args.json:
-        out.write(json.dumps({"step": saved.step, "op": origin and origin.to_json()}) + "\n")
-    else:
-        print(replay.describe(saved.step, origin), file=out)
+        body = {"step": saved.step, "op": origin and origin.to_json()}
+        out.write(json.dumps({**body, **_trials_json(found)}) + "\n")
+        return EXIT_OK
+    # Op names and source lines come from the model that was sent: no control character.
+    print(printable(replay.describe(saved.step, origin)), file=out)
+    _print_trials(found, out)
     return EXIT_OK
+
+
+def _replay_explosion(args, out: TextIO, err: TextIO, custom: dict, missing: Exception) -> int:
+    """A run dir without a bundle (an explosion): no op to name, the trials
+    from the rewind point with the model saved beside it."""
+    from tb_nanwatch.record import bundle
+
+    info: dict = {}
+    try:
+        model, loss_fn, info = bundle.load_model_beside_rewind_point(
+            args.run_dir, unsafe=args.unsafe, custom_objects=custom
+        )
+    except FileNotFoundError:
+        print(f"tb-nanwatch replay: error: {_one_line(missing)}", file=err)
+        return EXIT_USAGE
+    except (OSError, ValueError, TypeError) as error:
+        print(f"tb-nanwatch replay: error: {_load_error(error, info)}", file=err)
+        return EXIT_USAGE
+    found = None if args.no_trials else _trials(args.run_dir, None, model, loss_fn, err)
+    if args.json:
+        out.write(json.dumps({"step": None, "op": None, **_trials_json(found)}) + "\n")
+        return EXIT_OK
+    print("no reproduction bundle (no NaN/Inf): no op to name", file=out)
+    _print_trials(found, out)
+    return EXIT_OK
+
+
+def _trials_json(found) -> dict:
+    return {} if found is None else {"trials": [t.to_json() for t in found]}
+
+
+def _print_trials(found, out: TextIO) -> None:
+    if not found:
+        return
+    from tb_nanwatch.record import trials
+
+    print("remedies, tried on a copy of the model:", file=out)
+    print("\n".join(f"  {printable(line)}" for line in trials.tried_lines(found)), file=out)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return printable(text[0]) if text else type(error).__name__
+
+
+_UNKNOWN_OBJECT = re.compile(r"Could not locate (?:class|function) '([^']+)'")
+
+
+def _load_error(error: BaseException, info: dict) -> str:
+    """One line: which class could not be rebuilt and how to pass it."""
+    text = str(error)
+    if "safe_mode" in text:
+        return f"{_one_line(error)} (pass --unsafe to load it, for a run dir you trust)"
+    match = _UNKNOWN_OBJECT.search(text)
+    if match is None:
+        return _one_line(error)
+    name = match.group(1)
+    known = [
+        entry
+        for entry in info.get("custom_objects") or []
+        if isinstance(entry, dict) and name in (entry.get("name"), entry.get("registered_name"))
+    ]
+    module = known[0].get("module") if known else None
+    if module and module != "__main__":
+        how = f"pass --import {module} (the module that defines it)"
+    elif module == "__main__":
+        how = (
+            "it was defined in the training script itself: put it in a module and pass "
+            "--import that module (a name on the path, or a .py file)"
+        )
+    else:
+        how = "pass --import MODULE, the module that defines it (a name or a .py file)"
+    return f"the model uses {name}, which is not known here: {how}"
+
+
+def _import_modules(names: list[str]) -> dict:
+    """Imports each ``--import`` (a module name, looked up from the current
+    directory too, or a ``.py`` file); returns the classes and functions they
+    define, by name, for ``keras.saving.load_model``'s ``custom_objects``."""
+    import importlib
+    import importlib.util
+
+    found: dict = {}
+    for name in names:
+        if name.endswith(".py") or os.sep in name:
+            stem = os.path.splitext(os.path.basename(name))[0]
+            spec = importlib.util.spec_from_file_location(stem, os.path.abspath(name))
+            if spec is None or spec.loader is None:
+                raise ImportError(f"--import {name}: not a Python file")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[stem] = module
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(name)
+        for attribute, value in vars(module).items():
+            if callable(value) and getattr(value, "__module__", None) == module.__name__:
+                found[attribute] = value
+    return found
+
+
+def _trials(run_dir: str, saved, model, loss_fn, err: TextIO):
+    """The remedy trials from the run dir's bundle (``saved``, or None) and
+    rewind point, written to its ``repro/trials.json``; None (after a warning
+    line) when they cannot run or there is nothing to try."""
+    from tb_nanwatch.evidence.options import WatchOptions
+    from tb_nanwatch.record import rewind, trials
+
+    try:
+        run = _run_of(run_dir)
+        cause, summary = run["cause"], run["summary"]
+        if not cause or not cause.get("remedy_ids"):
+            return None
+        data = trials.TrialData(bundle=saved)
+        if summary.get("rewind_point"):
+            data.rewind = rewind.load_rewind_point(run_dir)
+        else:
+            data.rewind_missing = summary.get("rewind_point_not_taken") or "none was saved"
+        options = WatchOptions(explosion_factor=summary.get("explosion_factor", 1e3))
+        found = trials.run_trials(model, cause, data, loss_fn, options, _progress(err))
+        if not found:
+            return None  # only advice: nothing to try
+        step = saved.step if saved is not None else (summary.get("explosion") or {}).get("step")
+        trials.write_trials(run_dir, step, cause, found)
+    except Exception as error:  # noqa: BLE001 - the replay's answer stands without trials
+        print(f"tb-nanwatch replay: remedy trials not run: {_one_line(error)}", file=err)
+        return None
+    return found
+
+
+def _progress(err: TextIO):
+    return lambda line: print(line, file=err, flush=True)
+
+
+def _run_of(run_dir: str) -> dict:
+    """The cause and the run summary of the run written in ``run_dir``."""
+    from tb_nanwatch.board import report
+
+    provider = report.load_provider(run_dir)
+    body, runs = report.build_report(provider, logdir=run_dir)
+    entries = [e for e in body["runs"] if e["run"] in (".", "")] or body["runs"]
+    if len(entries) != 1:
+        raise ValueError(f"{run_dir} holds {len(entries)} NaN Watch runs, not one")
+    name = next(n for n in runs if report.run_report(runs[n])["run"] == entries[0]["run"])
+    return {"cause": entries[0]["cause"], "summary": runs[name].summary}
 
 
 def _add_replay_command(commands) -> None:
     replay = commands.add_parser(
         "replay",
-        help="re-run the incident's step from its bundle: the op and source line of the first NaN/Inf",
+        help="re-run the incident's step from its bundle: the op and source line of the "
+        "first NaN/Inf, and each remedy tried",
         description="Loads RUN_DIR's reproduction bundle and the model saved beside it, "
         "re-runs the offending step eagerly under TensorFlow's numeric checks, prints the "
         "op, the user's source line and whether the incident reproduced, and writes it to "
-        "the bundle's replay.json. Exit status: 0 done, 2 bad path, no bundle or no model.",
+        "the bundle's replay.json. Then tries each remedy the cause offers on a copy of the "
+        "model, from the bundle or the rewind point, and writes repro/trials.json. Exit "
+        "status: 0 done, 2 bad path, no bundle, or a model that cannot be rebuilt.",
     )
     replay.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (or its bundle dir)")
     replay.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -203,6 +371,17 @@ def _add_replay_command(commands) -> None:
         "--unsafe",
         action="store_true",
         help="allow a model holding Python code (Lambda layers): loading it runs that code",
+    )
+    replay.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="MODULE",
+        help="import MODULE first (a module name or a .py file): where the model's custom "
+        "layers, losses or functions are defined (repeatable)",
+    )
+    replay.add_argument(
+        "--no-trials", action="store_true", help="do not try the remedies (only name the op)"
     )
     replay.set_defaults(handler=_replay)
 

@@ -18,6 +18,7 @@ import nanwatch_testlib as lib
 import pytest
 from nanwatch_testlib import CHROMIUM, base_vector
 from test_browser import ARTIFACTS, TIMEOUT_MS, Watched, browser, tensorboard  # noqa: F401
+from test_browser_readability import LOW_CONTRAST_TEXT
 
 from tb_nanwatch.board.plugin import MAX_MAX_POINTS
 
@@ -119,6 +120,8 @@ def test_tab_follows_tensorboards_dark_mode(browser, server, logs):  # noqa: F81
             _screenshot(watched, f"tab-{width}-light-top")
             _show_origin_layers(frame, incident["step"])
             _screenshot(watched, f"tab-{width}-light-table")
+            # Every text, the step table's origin row included, reads at 4.5:1 at least.
+            assert frame.locator("html").evaluate(LOW_CONTRAST_TEXT) == []
 
             _set_tensorboard_theme(watched.page, "Dark")
             frame.locator("html[data-theme=dark]").wait_for(timeout=TIMEOUT_MS)
@@ -135,6 +138,7 @@ def test_tab_follows_tensorboards_dark_mode(browser, server, logs):  # noqa: F81
             assert _luminance(th.evaluate("e => getComputedStyle(e).backgroundColor")) < 0.4
             # The timeline canvas was redrawn: its axis text is light now.
             watched.page.wait_for_timeout(300)
+            assert frame.locator("html").evaluate(LOW_CONTRAST_TEXT) == []
             _screenshot(watched, f"tab-{width}-dark-table")
             frame.locator("#incident-card").scroll_into_view_if_needed()
             _screenshot(watched, f"tab-{width}-dark-top")
@@ -297,13 +301,17 @@ def test_run_filter_narrows_the_run_list(browser, server):  # noqa: F811
         box.fill("^(broken|tiny)$")
         assert shown() == ["broken", "tiny"]
         assert "2 of 3" in frame.locator("#run-selector [data-field=run-count]").inner_text()
+        # The panel of a selected run the filter hides is hidden too.
+        assert frame.locator('.run-panel[data-run="broken"]').is_visible()
+        assert not frame.locator('.run-panel[data-run="healthy"]').is_visible()
         box.fill("b(")  # not a regular expression: matched as text, and marked
         assert shown() == []
         assert "invalid" in box.get_attribute("class")
         box.fill("")
         assert shown() == ["broken", "healthy", "tiny"]
-        # The panels of the selected runs stay as they were.
+        # The panels of the selected runs stay as they were, shown again.
         assert frame.locator(".run-panel").count() == 2
+        assert frame.locator('.run-panel[data-run="healthy"]').is_visible()
     finally:
         watched.close()
 

@@ -280,6 +280,11 @@ SCENARIOS = {
 }
 
 
+def texts(cause: dict) -> list[str]:
+    """The texts of a cause's remedies, in rank order."""
+    return [remedy["text"] for remedy in cause["remedies"]]
+
+
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
     """Writes every scenario, reads the log dir back: name -> (cause, run, record)."""
@@ -307,12 +312,15 @@ def test_the_cause_is_the_one_built_in(verdicts, name):
     assert set(cause) == {"id", "summary", "evidence", "remedies", "remedy_ids"}
     assert cause["id"] in causes.CAUSE_IDS
     assert cause["summary"].count(". ") == 0 and cause["summary"].endswith(".")
-    assert cause["remedies"] and all(isinstance(r, str) and r for r in cause["remedies"])
-    assert len(cause["remedy_ids"]) == len(cause["remedies"]) == len(set(cause["remedy_ids"]))
+    assert cause["remedies"] and all(set(r) == {"id", "text", "trial"} for r in cause["remedies"])
+    assert all(isinstance(r["text"], str) and r["text"] for r in cause["remedies"])
+    assert all(r["trial"] is None for r in cause["remedies"])  # no trials recorded
+    assert [r["id"] for r in cause["remedies"]] == cause["remedy_ids"]
+    assert len(cause["remedy_ids"]) == len(set(cause["remedy_ids"]))
     assert set(cause["remedy_ids"]) <= set(remedies.REMEDY_LABELS)
     assert all(isinstance(v, (int, float, str, list, bool)) for v in cause["evidence"].values())
     line = causes.describe(cause)
-    assert "\n" not in line and cause["id"] in line and cause["remedies"][0] in line
+    assert "\n" not in line and cause["id"] in line and texts(cause)[0] in line
 
 
 def test_learning_rate_too_high_blames_the_growth_not_the_last_layer(verdicts):
@@ -326,8 +334,8 @@ def test_learning_rate_too_high_blames_the_growth_not_the_last_layer(verdicts):
         3e24
     )
     assert evidence["first_nonfinite_step"] == 3
-    assert "learning rate" in cause["remedies"][0] and "0.5" in cause["remedies"][0]
-    assert "clipnorm" in cause["remedies"][1]
+    assert "learning rate" in texts(cause)[0] and "0.5" in texts(cause)[0]
+    assert "clipnorm" in texts(cause)[1]
     assert "dense_3" in cause["summary"] and "dense_2" in cause["summary"]
     assert not cause["summary"].startswith("dense_3")
 
@@ -338,13 +346,15 @@ def test_loss_math_says_the_output_saturated_and_suggests_from_logits(verdicts):
     assert evidence["saturated"] is True and evidence["max_abs_logit"] == pytest.approx(40.1)
     assert evidence["outputs_probabilities"] is True
     assert evidence["from_logits"] == "not recorded"
-    assert "from_logits=True" in cause["remedies"][0]
+    assert "from_logits=True" in texts(cause)[0]
 
 
 def test_explosions_give_their_onset_and_signal(verdicts):
     first, run, _ = verdicts["explosion_at_step_1"]
     assert run.summary["explosion"]["step"] == 1
-    assert first["evidence"]["onset_step"] == 1 and first["evidence"]["signal"] == "logits"
+    # A plain output and no from-logits loss: the outputs are no logits.
+    assert first["evidence"]["onset_step"] == 1 and first["evidence"]["signal"] == "outputs"
+    assert "logit" not in first["summary"]
     last, run, _ = verdicts["explosion_at_the_end"]
     assert run.summary["explosion"]["step"] == 100
     assert last["evidence"]["growth_factor"] == pytest.approx(8e11 / 0.4, rel=1e-3)
@@ -354,7 +364,7 @@ def test_nonfinite_weights_names_the_variables(verdicts):
     cause, _, _ = verdicts["nan_kernel_in_backbone"]
     assert cause["evidence"]["variables"] == ["backbone/block1/conv/kernel"]
     assert cause["evidence"]["checked"] == 6
-    assert "backbone/block1/conv/kernel" in cause["remedies"][0]
+    assert "backbone/block1/conv/kernel" in texts(cause)[0]
 
 
 def test_fp16_overflow_shows_the_magnitude_near_65504(verdicts):
@@ -371,9 +381,9 @@ def test_optimizer_update_shows_the_learning_rate_against_the_steps_before(verdi
     evidence = cause["evidence"]
     assert evidence["lr"] == pytest.approx(100.0) and evidence["lr_before"] == pytest.approx(1e-3)
     assert evidence["lr_ratio"] == pytest.approx(1e5, rel=1e-3)
-    assert "schedule" in cause["remedies"][0]
+    assert "schedule" in texts(cause)[0]
     clean, _, _ = verdicts["update_nan_at_step_0_clean_start"]
-    assert "epsilon" in clean["remedies"][0]  # no lr spike: epsilon first
+    assert "epsilon" in texts(clean)[0]  # no lr spike: epsilon first
 
 
 def test_forward_math_reads_ordinary_inputs(verdicts):
@@ -381,7 +391,7 @@ def test_forward_math_reads_ordinary_inputs(verdicts):
     evidence = cause["evidence"]
     assert evidence["layer"] == "attention/softmax" and evidence["nonfinite_values"] == 16
     assert evidence["input_max_abs"] == 1.0
-    assert "-1e9" in " ".join(cause["remedies"])
+    assert "-1e9" in " ".join(texts(cause))
 
 
 def test_unknown_shows_what_was_seen(verdicts):
@@ -397,12 +407,12 @@ def test_input_data_names_the_rows_of_the_bundle_batch(verdicts):
     x[2, 1] = x[5, 0] = x[5, 2] = np.nan
     y = np.ones((8, 1), np.float64)
     cause = causes.diagnose(record, {"batch/0": x, "batch/1": y})
-    assert cause["evidence"]["tensor"] == "model input x"
+    assert cause["evidence"]["tensor"] == "model input 'x'"
     assert cause["evidence"]["nonfinite_values"] == 5
     assert cause["evidence"]["rows"] == [
         {"tensor": "batch/0", "rows": [2, 5], "rows_count": 2, "values": 3}
     ]
-    assert "[2, 5]" in cause["remedies"][0]
+    assert "[2, 5]" in texts(cause)[0]
 
 
 def test_input_rows_reads_nested_batches():
@@ -522,6 +532,7 @@ def test_the_engine_has_one_entry_per_id_and_every_remedy_it_names_is_catalogued
     assert list(causes.CAUSE_LABELS.items()) == [
         ("nonfinite_weights", "Weights already NaN/Inf before the step"),
         ("input_data", "Bad input data"),
+        ("unscaled_data", "Data far from unit scale"),
         ("growth_overflow", "Overflow after growth"),
         ("fp16_overflow", "float16 overflow"),
         ("forward_math", "Math error in the forward pass"),
@@ -561,7 +572,7 @@ def test_a_loss_that_reads_logits_is_not_told_to_read_logits(verdicts):
     assert logits["id"] == "loss_math" and logits["summary"] == probabilities["summary"]
     assert "from_logits" not in logits["remedy_ids"]
     assert "clip_predictions" not in logits["remedy_ids"]
-    assert not any("from_logits=True" in text for text in logits["remedies"])
+    assert not any("from_logits=True" in text for text in texts(logits))
     assert logits["remedies"]  # still something to try
 
 
@@ -570,8 +581,8 @@ def test_remedies_follow_the_recorded_optimizer_and_precision(verdicts):
     assert "raise_epsilon" in adam["remedy_ids"]
     sgd = _with_summary(verdicts, "lr_spike_update", optimizer="SGD")  # no epsilon to raise
     assert sgd["evidence"] == {**adam["evidence"], "optimizer": "SGD"}
-    assert "raise_epsilon" not in sgd["remedy_ids"] and "epsilon" not in " ".join(sgd["remedies"])
+    assert "raise_epsilon" not in sgd["remedy_ids"] and "epsilon" not in " ".join(texts(sgd))
     fp16, _, _ = verdicts["fp16_overflow"]
-    assert fp16["remedy_ids"][0] == "float32_policy" and "float32" in fp16["remedies"][0]
+    assert fp16["remedy_ids"][0] == "float32_policy" and "float32" in texts(fp16)[0]
     fp32, _, _ = verdicts["fp32_same_values"]
     assert "float32_policy" not in fp32["remedy_ids"]

@@ -47,7 +47,7 @@ def test_a_learning_rate_far_too_high_is_growth_overflow(tmp_path):
     assert cause["id"] == "growth_overflow", cause
     assert cause["evidence"]["onset_step"] < watch.incident["step"]
     assert cause["evidence"]["growth_factor"] > 1e3
-    assert "learning rate" in cause["remedies"][0].lower()
+    assert "learning rate" in cause["remedies"][0]["text"].lower()
 
 
 def test_a_nan_row_in_a_pretrained_embedding_is_nonfinite_weights(tmp_path):
@@ -140,7 +140,41 @@ def test_an_exploding_softmax_model_is_told_to_compute_its_loss_from_logits(tmp_
         assert watch.incident is not None, head
         cause = _cause(run_dir)
         assert cause["id"] == "growth_overflow", cause
-        remedies[head] = cause["remedies"]
+        remedies[head] = [remedy["text"] for remedy in cause["remedies"]]
     from_logits = "Compute the loss from logits (from_logits=True, no final activation)."
     assert from_logits in remedies["softmax"]
     assert from_logits not in remedies[None]
+
+
+def test_raw_house_prices_are_unscaled_data_not_a_learning_rate_to_lower(tmp_path):
+    # Square feet 500-4000, year 1900-2020, lot 1k-20k and prices 1e5-1e6, two
+    # ReLU Dense layers and SGD at 1e-4: the loss is ~1e11 at step 0 and
+    # overflows within a few steps, at any learning rate.
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    rows = 64
+    x = np.stack(
+        [rng.uniform(500, 4000, rows), rng.uniform(1900, 2020, rows), rng.uniform(1e3, 2e4, rows)],
+        axis=1,
+    ).astype("float32")
+    y = (100 * x[:, :1] + 5 * x[:, 2:] + rng.uniform(1e5, 5e5, (rows, 1))).astype("float32")
+    model = keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    watch = _fit(model, x, y, tmp_path / "run", keras.optimizers.SGD(1e-4))
+    assert watch.incident is not None and watch.incident["step"] <= 3
+    cause = _cause(tmp_path)
+    assert cause["id"] == "unscaled_data", cause
+    assert cause["remedy_ids"][:2] == ["normalize_inputs", "scale_targets"]
+    assert "logit" not in cause["summary"] and "input input" not in cause["summary"]
+    assert "Normalization" in cause["remedies"][0]["text"]
+    # The run summary holds the facts the remedies read.
+    summary = watch.journal.summary()
+    assert summary["has_attention"] is False and "Dense" in summary["layer_classes"]
+    assert summary["optimizer_settings"]["epsilon"] is None  # SGD has none
+    assert summary["input_dtypes"] == {"input": "float32"}

@@ -16,7 +16,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tb_nanwatch"
 MAX_LINES = 60
 MAX_PARAMETERS = 6
 # The public constructors keep their documented signatures (one keyword per option).
-PUBLIC_CONSTRUCTORS = {("record/callback", "__init__"), ("record/custom_loop", "__init__")}
+PUBLIC_CONSTRUCTORS = {
+    ("record/callback", "__init__"),
+    ("record/custom_loop", "__init__"),
+    ("compat/v1", "__init__"),
+}
 MODULES = sorted(
     path.relative_to(PACKAGE).with_suffix("").as_posix() for path in PACKAGE.rglob("*.py")
 )

@@ -1,4 +1,4 @@
-"""The five demo runs, end to end: written by the real callback (run_all.py, as
+"""The six demo runs, end to end: written by the real callback (run_all.py, as
 the README's demo command runs them), diagnosed by the report CLI, served by a
 real TensorBoard and shown in headless Chromium.
 
@@ -6,8 +6,9 @@ Ground truth comes from how each demo was built (see each demo's docstring):
 seed 000 pads batch PAD_STEP with all-zero images inside a nested base model;
 seed 001 sharpens its logits from SHARPEN_FROM on and mislabels batch
 MISLABELED_STEP; seed 002 raises its learning rate past stability at JUMP_STEP
-and never goes non-finite; seed 003 puts an all-zero row in step ZERO_STEP; the
-healthy run trains STEPS steps with nothing wrong.
+and never goes non-finite; seed 003 puts an all-zero row in step ZERO_STEP (in TF2 and
+as the seed's own TF1 graph code); the healthy run trains STEPS steps with
+nothing wrong.
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ SEED000 = "seed000_nested_sigmoid_bce"
 SEED001 = "seed001_lstm_attention_log0"
 SEED002 = "seed002_explosion_no_nan"
 SEED003 = "seed003_custom_loop_autoencoder"
+SEED003_TF1 = "seed003_tf1_graph_autoencoder"
 
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> tuple[Path, str]:
-    """All five demos written by run_all.py; (log dir, what it printed)."""
+    """All six demos written by run_all.py; (log dir, what it printed)."""
     logdir = tmp_path_factory.mktemp("demo_logs")
     result = subprocess.run(
         [sys.executable, "demo/run_all.py", "--logdir", str(logdir)],
@@ -168,6 +170,32 @@ def test_seed003_nan_is_born_in_the_backward_pass_of_the_zero_row(report):
     assert {key: first[key] for key in ("step", "phase", "layer", "tensor", "kind")} == {
         key: truth[key] for key in ("step", "phase", "layer", "tensor", "kind")
     }
+
+
+def test_seed003_names_the_op_and_its_source_line(report):
+    op = report[SEED003]["first_nonfinite"]["op"]  # the demo passes loss_fn: the replay ran
+    assert op and op["type"] and op["name"], op
+    assert op["source"] and "seed003_custom_loop_autoencoder.py:" in op["source"], op
+
+
+def test_seed003_as_tf1_graph_code_finds_the_same_origin(report):
+    first = report[SEED003_TF1]["first_nonfinite"]
+    assert (first["step"], first["phase"], first["layer"]) == (
+        seed003.ZERO_STEP,
+        "backward",
+        "code_norm",
+    )
+
+
+def test_seed002_remedies_were_tried_from_a_rewind_point(report):
+    remedies = report[SEED002]["cause"]["remedies"]
+    trials = {r["id"]: r["trial"] for r in remedies}
+    assert "fix_schedule" in trials, trials  # the rate jump is in the verdict
+    assert all(t and t["outcome"] in ("fixed", "not_fixed", "not_tried") for t in trials.values())
+    assert any(t["outcome"] == "fixed" for t in trials.values()), trials
+    outcomes = [r["trial"]["outcome"] for r in remedies]
+    order = {"fixed": 0, "not_tried": 1, "not_fixed": 2}
+    assert outcomes == sorted(outcomes, key=order.get), outcomes  # working remedies first
 
 
 def test_the_healthy_run_is_healthy(report):

@@ -52,7 +52,7 @@ def test_an_entry_is_nonfinite_exactly_when_a_count_is_nonzero(nan, inf, expecte
 
 def test_an_overflowing_norm_over_finite_elements_is_not_nonfinite():
     vector = base_vector(SCHEMA, 0)
-    grad = entry("backward", "grad_out", LAYERS[1])
+    grad = entry("backward", "grad_in", LAYERS[1])
     vector[grad.index("norm")] = np.inf  # the sum of squares overflowed float32
     assert not diagnosis.entry_nonfinite(vector, grad)
     assert diagnosis.find_origin(SCHEMA, vector) is None

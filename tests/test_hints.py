@@ -221,7 +221,8 @@ def test_input_nonfinite_names_the_input():
         flight=flight(20, 30, nonfinite_input),
     )
     hint = only(rec, "input_nonfinite")
-    assert hint["evidence"]["input"] == "input_0"
+    assert hint["evidence"]["input"] == "model input 'input_0'"
+    assert hint["text"].startswith("Model input 'input_0' contained NAN at step 30")
     assert hint["evidence"]["finite_steps_before"] == 10
     assert "data pipeline" in hint["text"]
     assert "float64" not in hint["text"]
@@ -326,7 +327,8 @@ def test_explosion_fires_without_an_incident():
         series=series(80, loss=exploding_loss()),
     )
     hint = only(rec, "explosion")
-    assert hint["evidence"]["ratio"] == pytest.approx(1e4)
+    # A record written without factor/value/reference: the series' peak / median.
+    assert hint["evidence"]["factor"] == pytest.approx(1e4)
     assert hint["evidence"]["lr"] == pytest.approx(1e-3)
     assert "learning rate" in hint["text"] and "clip" in hint["text"]
 
@@ -340,7 +342,15 @@ def test_explosion_reads_the_logits_signal():
         explosion={"step": 60, "signal": "logits"},
         series=series(80, logit_max=logits),
     )
-    assert only(rec, "explosion")["evidence"]["peak"] == 500.0
+    assert only(rec, "explosion")["evidence"]["value"] == 500.0
+
+
+def test_explosion_quotes_the_records_one_ratio():
+    explosion = {"step": 60, "signal": "loss", "factor": 2e3, "value": 2e3, "reference": 1.0}
+    rec = Record(SCHEMA, None, explosion=explosion, series=series(80, loss=exploding_loss()))
+    hint = only(rec, "explosion")
+    assert hint["evidence"]["factor"] == pytest.approx(2e3)  # the record's, not peak / median
+    assert "2e+03x its reference level" in hint["text"]
 
 
 @pytest.mark.parametrize("case", ["with_incident", "flat_series", "no_explosion", "no_series"])

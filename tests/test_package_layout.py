@@ -1,4 +1,4 @@
-"""The package's three parts and who may import whom (docs/design.md).
+"""The package's parts and who may import whom (docs/design.md).
 
 * ``tb_nanwatch.evidence``: decides (schema, rules, causes); imports neither of
   the other parts, nor TensorFlow, Keras or TensorBoard.
@@ -7,6 +7,9 @@
 * ``tb_nanwatch.board``: TensorBoard and the command line's readers; may
   import ``evidence``, never ``record``, never TensorFlow or Keras (a broken
   import in a plugin stops TensorBoard itself).
+* ``tb_nanwatch.compat``: front ends for code that is not TF2 Keras (TF1
+  graphs); built on ``record`` and ``evidence`` like ``record``'s own, never
+  imported by them, never importing ``board``.
 
 Checked twice: statically, on every ``import`` statement of every module
 (function-level imports included), and at run time, by importing each module
@@ -23,15 +26,22 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tb_nanwatch"
-PARTS = ("evidence", "record", "board")
+PARTS = ("evidence", "record", "board", "compat")
 TENSORFLOW = ("tensorflow", "keras", "tf_keras")
 
 # What each part must not import (module prefixes).
 FORBIDDEN = {
-    "evidence": ("tb_nanwatch.record", "tb_nanwatch.board", "tb_nanwatch.cli", "tensorboard")
+    "evidence": (
+        "tb_nanwatch.record",
+        "tb_nanwatch.board",
+        "tb_nanwatch.compat",
+        "tb_nanwatch.cli",
+        "tensorboard",
+    )
     + TENSORFLOW,
-    "record": ("tb_nanwatch.board", "tb_nanwatch.cli"),
-    "board": ("tb_nanwatch.record",) + TENSORFLOW,
+    "record": ("tb_nanwatch.board", "tb_nanwatch.compat", "tb_nanwatch.cli"),
+    "board": ("tb_nanwatch.record", "tb_nanwatch.compat") + TENSORFLOW,
+    "compat": ("tb_nanwatch.board", "tb_nanwatch.cli"),
 }
 
 # Record modules that write or judge a run without running a model: they must
@@ -72,7 +82,7 @@ def test_the_checker_sees_nested_and_relative_imports():
     assert not _breaks("tb_nanwatch.recorder", FORBIDDEN["board"])
 
 
-def test_the_package_has_three_parts_and_nothing_else_at_the_top():
+def test_the_package_has_its_parts_and_nothing_else_at_the_top():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert top == ["__init__.py", "cli.py"]
     for part in PARTS:

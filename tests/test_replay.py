@@ -250,7 +250,7 @@ def test_cli_on_a_copied_run_dir_gives_the_same_answer(scenario, tmp_path):
     shutil.rmtree(tmp_path / "run")
     code, out, err = run_cli(str(tmp_path / "sent"), "--json")
     assert code == 0, err
-    assert json.loads(out) == {"step": BAD_STEP, "op": expected}
+    assert json.loads(out) == {"step": BAD_STEP, "op": expected}  # fix_code only: no trials
     written = tb_nanwatch.load_bundle(str(tmp_path / "sent")).directory + "/replay.json"
     with open(written) as f:
         assert json.load(f)["op"]["source"] == source
@@ -320,3 +320,126 @@ def test_global_state_is_restored(tmp_path):
     assert np.isnan(tf.math.log(tf.constant(-1.0)).numpy())  # check_numerics is off again
     assert keras.config.is_traceback_filtering_enabled()
     assert tf.debugging.is_traceback_filtering_enabled()
+
+
+# -- a run dir someone sent ------------------------------------------------------------------
+
+
+def test_cli_replays_a_plain_sequential_copied_and_run_from_elsewhere(tmp_path, monkeypatch):
+    x = _rows()
+    x[BAD_STEP * BATCH + 1, 0] = 3e38  # the output or the loss overflows
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4, kernel_initializer="ones"), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    watch = tb_nanwatch.NanWatch(str(tmp_path / "run"), remedy_trials=False)
+    y = np.ones((len(x), 1), "float32")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[watch], verbose=0)
+    assert watch.incident["step"] == BAD_STEP
+    recorded = list(tb_nanwatch.load_bundle(str(tmp_path / "run")).weights)
+    assert recorded[0].startswith("sequential")  # the rebuilt model names them otherwise
+    shutil.copytree(tmp_path / "run", tmp_path / "sent")
+    shutil.rmtree(tmp_path / "run")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, out, err = run_cli(str(tmp_path / "sent"), "--json", "--no-trials")
+    assert code == 0, err
+    body = json.loads(out)
+    assert body["op"]["type"] and body["op"]["reproduced"], body
+    assert body["op"]["phase"] == watch.incident["phase"]
+    assert "trials" not in body
+
+
+CUSTOM_MODULE = """
+import keras
+import tensorflow as tf
+
+
+@keras.saving.register_keras_serializable("h2b_sent")
+class SentLog(keras.layers.Layer):
+    def call(self, x):
+        return tf.math.log(x)  # the sent layer's log: NaN below 0
+"""
+
+
+def import_file(path, name):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_replays_a_sent_run_dir_with_a_custom_layer_given_by_import(tmp_path, monkeypatch):
+    import sys
+
+    from keras.src.saving import object_registration
+
+    source_file = tmp_path / "mods" / "h2b_sent_layers.py"
+    source_file.parent.mkdir()
+    source_file.write_text(CUSTOM_MODULE)
+    layers = import_file(str(source_file), "h2b_sent_layers")
+    x = _rows()
+    x[BAD_STEP * BATCH + 1, 0] = -1.0
+    inp = keras.Input((3,))
+    model = keras.Model(inp, keras.layers.Dense(1)(layers.SentLog(name="sent_log")(inp)))
+    fit_until_incident(
+        lambda: (model, x, {"phase": "forward", "layer": "sent_log"}, ""), str(tmp_path / "run")
+    )
+    meta = tb_nanwatch.load_bundle(str(tmp_path / "run")).info
+    assert {
+        "name": "SentLog",
+        "registered_name": "h2b_sent>SentLog",
+        "module": "h2b_sent_layers",
+    } in (meta["custom_objects"])
+    assert meta["optimizer_config"]["class_name"] == "SGD"
+    shutil.copytree(tmp_path / "run", tmp_path / "sent")
+    # Another process: the class is neither registered nor importable.
+    monkeypatch.delitem(object_registration.GLOBAL_CUSTOM_OBJECTS, "h2b_sent>SentLog")
+    monkeypatch.delitem(sys.modules, "h2b_sent_layers")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, out, err = run_cli(str(tmp_path / "sent"))
+    assert code == 2 and out == ""
+    assert err.strip().count("\n") == 0, err  # one line
+    assert "SentLog" in err and "--import h2b_sent_layers" in err
+    code, out, err = run_cli(str(tmp_path / "sent"), "--json", "--import", str(source_file))
+    assert code == 0, err
+    op = json.loads(out)["op"]
+    assert (op["type"], op["reproduced"]) == ("Log", True)
+    line = 1 + next(i for i, text in enumerate(CUSTOM_MODULE.splitlines()) if "NaN below" in text)
+    assert op["source"] == f"{source_file}:{line}"
+
+
+def test_cli_tries_the_remedies_of_a_sent_run_dir(tmp_path):
+    x = _rows()
+    x[BAD_STEP * BATCH + 1, 2] = np.nan
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    watch = tb_nanwatch.NanWatch(str(tmp_path / "run"), remedy_trials=False)
+    y = np.ones((len(x), 1), "float32")
+    model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[watch], verbose=0)
+    shutil.copytree(tmp_path / "run", tmp_path / "sent")
+    code, out, err = run_cli(str(tmp_path / "sent"), "--json")
+    assert code == 0, err
+    (dropped,) = [t for t in json.loads(out)["trials"] if t["remedy"] == "drop_bad_rows"]
+    assert dropped["outcome"] == "fixed"
+    with open(tmp_path / "sent" / "repro" / "trials.json") as f:
+        assert json.load(f)["trials"][0]["remedy"] == "drop_bad_rows"
+    assert not (tmp_path / "run" / "repro" / "trials.json").exists()
+
+
+def test_a_replay_that_differs_from_an_xla_or_float16_step_says_what_to_try(tmp_path):
+    model, _, _ = fit_until_incident(forward_log, str(tmp_path))
+    saved = tb_nanwatch.load_bundle(str(tmp_path))
+    x, _ = saved.batch
+    x[x < 0] = 1.0  # the replay stays finite
+    saved.info["run_facts"] = {"jit_compile": True, "dtype_policy": "mixed_float16"}
+    origin = replay.replay_step(model, saved)
+    assert not origin.reproduced
+    assert "jit_compile=False" in origin.detail and "float32 policy" in origin.detail
+    saved.info["run_facts"] = {"jit_compile": False, "dtype_policy": "float32"}
+    assert "jit_compile" not in replay.replay_step(model, saved).detail

@@ -134,3 +134,46 @@ def test_mixed_precision_policy_and_every_weight_checked(tmp_path):
 )
 def test_loss_from_logits(loss, expected):
     assert session.loss_from_logits(loss) is expected
+
+
+# -- the remedy trials at the end of training and in a copied run dir ----------------------
+
+
+def test_an_explosion_gets_its_trials_at_the_end_and_again_from_a_copied_run_dir(
+    tmp_path, monkeypatch
+):
+    import shutil
+
+    from scenarios import exploding
+
+    model, fit_args, truth = exploding()
+    watch = tb_nanwatch.NanWatch(str(tmp_path / "run"), rewind_every=20)
+    model.fit(**fit_args, callbacks=[watch], verbose=0)
+    assert watch.incident is None
+    with open(tmp_path / "run" / "repro" / "trials.json") as f:
+        written = json.load(f)
+    assert written["cause"] == "explosion" and written["step"] >= truth["jump_step"]
+    assert written["baseline"]["outcome"] == "not_fixed"  # the re-run explodes again
+    lower = {t["remedy"]: t for t in written["trials"]}["lower_lr"]
+    assert lower["outcome"] == "fixed" and lower["setting"].startswith("lr x")
+    # Sent elsewhere: no bundle, the model beside the rewind point; the same trials.
+    shutil.copytree(tmp_path / "run", tmp_path / "sent")
+    os.remove(tmp_path / "sent" / "repro" / "trials.json")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    out, err = io.StringIO(), io.StringIO()
+    assert cli.main(["replay", str(tmp_path / "sent"), "--json"], out, err) == 0, err.getvalue()
+    body = json.loads(out.getvalue())
+    assert body["op"] is None
+    assert body["trials"] == written["trials"]
+
+
+def test_seed003_demo_card_names_the_op_and_its_source_line(tmp_path):
+    from demo import seed003_custom_loop_autoencoder as seed003
+
+    seed003.run(str(tmp_path))
+    op = report_run(str(tmp_path))["first_nonfinite"]["op"]
+    lines, first = inspect.getsourcelines(seed003.CodeNorm.call)
+    offset = next(i for i, line in enumerate(lines) if "tf.sqrt" in line)
+    assert (op["type"], op["reproduced"]) == ("SqrtGrad", True)
+    assert op["source"] == f"{inspect.getsourcefile(seed003.CodeNorm.call)}:{first + offset}"

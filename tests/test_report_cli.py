@@ -15,7 +15,15 @@ import pytest
 from tb_nanwatch import cli
 from tb_nanwatch.record.synthetic import write_synthetic_run
 
-RUN_KEYS = {"run", "steps", "first_nonfinite", "explosion", "skipped_steps", "cause"}
+RUN_KEYS = {
+    "run",
+    "steps",
+    "first_nonfinite",
+    "explosion",
+    "skipped_steps",
+    "cause",
+    "recoveries",
+}
 INCIDENT_KEYS = {"step", "phase", "layer", "tensor", "kind", "op"}
 CAUSE_KEYS = {"id", "summary", "evidence", "remedies", "remedy_ids"}
 
@@ -76,6 +84,7 @@ def test_json_is_exactly_one_object_of_the_documented_shape(logdir):
         },
         "explosion": None,
         "skipped_steps": [],
+        "recoveries": [],
     }
     assert set(by_name["a/big"]["first_nonfinite"]) == INCIDENT_KEYS
     assert by_name["healthy"] == {
@@ -85,6 +94,7 @@ def test_json_is_exactly_one_object_of_the_documented_shape(logdir):
         "explosion": None,
         "skipped_steps": [],
         "cause": None,
+        "recoveries": [],
     }
     assert by_name["skips"]["cause"] is None
     assert by_name["explodes"]["cause"]["id"] == "explosion"
@@ -207,7 +217,9 @@ def test_op_and_bad_rows_of_an_input_incident(tmp_path):
     assert run["cause"]["evidence"]["rows"] == [
         {"tensor": "batch/0", "rows": [4], "rows_count": 1, "values": 2}
     ]
-    assert "float32" in run["cause"]["remedies"][0]  # an Inf input: the float64 cast first
+    best = run["cause"]["remedies"][0]  # an Inf input: the float64 cast first
+    assert best["id"] == "normalize_inputs" and "float32" in best["text"]
+    assert best["trial"] is None  # no remedy trials in this run dir
     code, out, _ = run_cli("report", str(tmp_path))
     lines = out.splitlines()
     first = next(i for i, line in enumerate(lines) if "first non-finite" in line)

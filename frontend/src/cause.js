@@ -1,7 +1,8 @@
 /**
  * The cause verdict of an incident or explosion (the `incident` route's
  * `cause`): a label for its id, the one-sentence summary, the evidence and
- * the remedies, best first. Labels come from the vocabulary (vocabulary.js).
+ * the remedies, best first, each with how its trial went when it was tried.
+ * Labels come from the vocabulary (vocabulary.js).
  * All text goes through `textContent` (dom.js).
  */
 import { el } from "./dom.js";
@@ -74,14 +75,51 @@ function renderEvidence(evidence, unknown) {
   ]);
 }
 
+/**
+ * One remedy of a cause as the card reads it. The routes send
+ * `{id, text, trial}`; a cause written before remedy trials sends the text.
+ * @param {{id?: string, text?: string, trial?: Object|null}|string} remedy The remedy.
+ * @param {string|undefined} id Its id from `remedy_ids` (older causes).
+ * @returns {{id: string|undefined, text: string, trial: Object|null}} The remedy.
+ */
+export function remedyOf(remedy, id) {
+  if (remedy && typeof remedy === "object") {
+    return { id: remedy.id ?? id, text: String(remedy.text ?? ""), trial: remedy.trial || null };
+  }
+  return { id, text: String(remedy ?? ""), trial: null };
+}
+
+/**
+ * The line on a remedy's trial: Python's words ("Tried: clipnorm=1.0 kept 40
+ * steps finite, …"), else the vocabulary's word for the outcome.
+ * @param {{outcome?: string, text?: string, why?: string}} trial The remedy's trial.
+ * @returns {string} e.g. "Tried, did not help: lr x0.1 over 4 steps".
+ */
+export function trialText(trial) {
+  if (trial.text) return String(trial.text);
+  const words = labelOf("trial_outcomes", trial.outcome);
+  return trial.why ? `${words}: ${trial.why}` : words;
+}
+
+function renderRemedy(remedy, rank) {
+  const trial = remedy.trial;
+  const outcome = trial ? String(trial.outcome) : "none";
+  return el("li", { class: "remedy", data: { rank, remedy: remedy.id, outcome } }, [
+    el("span", { class: "remedy-text", text: remedy.text }),
+    trial ? el("div", { class: "remedy-trial", data: { outcome }, text: trialText(trial) }) : null,
+  ]);
+}
+
 function renderRemedies(remedies, ids) {
   if (!remedies || !remedies.length) return null;
+  const listed = remedies.map((remedy, i) => remedyOf(remedy, ids?.[i]));
+  const tried = listed.some((remedy) => remedy.trial);
   return el("div", { class: "cause-remedies-box" }, [
-    el("h4", { text: "What to try, best first" }),
+    el("h4", { text: tried ? "What to try, best first (the fixes that worked lead)" : "What to try, best first" }),
     el(
       "ol",
       { class: "remedies" },
-      remedies.map((text, i) => el("li", { class: "remedy", data: { rank: i + 1, remedy: ids?.[i] }, text })),
+      listed.map((remedy, i) => renderRemedy(remedy, i + 1)),
     ),
   ]);
 }
@@ -89,8 +127,9 @@ function renderRemedies(remedies, ids) {
 /**
  * The cause block that leads the incident card: label, summary sentence,
  * evidence, ranked remedies. `unknown` says plainly that no known cause fits.
- * @param {{id: string, summary?: string, evidence?: Object, remedies?: string[], remedy_ids?: string[]}} cause
- *   The cause; `remedy_ids` name the remedies (`li[data-remedy=ID]`).
+ * @param {{id: string, summary?: string, evidence?: Object, remedies?: Array<Object|string>, remedy_ids?: string[]}} cause
+ *   The cause; each remedy `{id, text, trial}` (`li[data-remedy=ID][data-outcome=…]`,
+ *   its trial's line `.remedy-trial`).
  * @returns {HTMLElement} The block (`.cause[data-cause=ID]`).
  */
 export function renderCause(cause) {

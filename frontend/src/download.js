@@ -2,7 +2,9 @@
  * Downloads of a run's timeline as CSV or JSON. Non-finite values are kept,
  * written as the routes write them (the vocabulary's `non_finite`: "NaN",
  * "Infinity", "-Infinity"); a missing value is an empty CSV cell / JSON null.
+ * CSV cells that a spreadsheet would run as formulas are written as text (csv.js).
  */
+import { csvCell } from "./csv.js";
 import { nonFiniteWord } from "./vocabulary.js";
 
 /**
@@ -14,11 +16,6 @@ function numberText(v) {
   if (v === null || v === undefined) return null;
   if (typeof v !== "number") return String(v);
   return Number.isFinite(v) ? String(v) : nonFiniteWord(v);
-}
-
-function csvCell(text) {
-  if (text === null) return "";
-  return /[",\n\r]/.test(text) ? `"${text.replace(/"/g, '""')}"` : text;
 }
 
 /**

@@ -48,3 +48,14 @@ export function truncateLeft(path, max = 32) {
   const s = String(path ?? "");
   return s.length <= max ? s : `…${s.slice(s.length - max + 1)}`;
 }
+
+/**
+ * A count with its noun: "1 step", "2 steps", "0 runs".
+ * @param {number} n The count.
+ * @param {string} one The noun for one.
+ * @param {string} [many] The noun for other counts (default: `one` + "s").
+ * @returns {string} The text.
+ */
+export function counted(n, one, many = `${one}s`) {
+  return `${n} ${n === 1 ? one : many}`;
+}

@@ -2,12 +2,13 @@
  * Layer × step heatmap of the flight-recorder window (`incident` route).
  *
  * Rows are layers in execution order, columns are steps. Cells are drawn on a
- * canvas with a logarithmic colour scale; labels are ordinary text elements.
- * A cell whose value is NaN/Inf is magenta; a cell whose layer has another
- * non-finite field at that step gets a magenta corner. The origin cell (where
- * the first non-finite value was born) is outlined by an element with
+ * canvas with a logarithmic colour scale, on a mid-grey ground that sets each
+ * cell apart in both themes; labels are ordinary text elements. A cell whose
+ * value is NaN/Inf is magenta; a cell whose layer has another non-finite
+ * tensor at that step gets a magenta corner. The origin cell (where the first
+ * non-finite value was born) is outlined by an element with
  * `data-origin="true"`, and the container names it in `data-origin-layer` /
- * `data-origin-step`.
+ * `data-origin-step`. The legend explains each of these marks.
  */
 import { interpolateViridis } from "d3-scale-chromatic";
 import { el, clear } from "./dom.js";
@@ -23,8 +24,12 @@ const NONFINITE_COLOR = "#ff00ff";
 const LABEL_CHAR_W = 6.5;
 const LABEL_GAP = 8;
 const METRICS = [
-  { key: "forward_max_abs", label: "forward max |x|" },
-  { key: "grad_norm", label: "gradient norm" },
+  { key: "forward_max_abs", label: "forward max |x|", what: "the largest |x| of the layer's output" },
+  {
+    key: "grad_norm",
+    label: "gradient norm",
+    what: "the norm of the gradients the layer's backward pass computed (w.r.t. its input and its weights)",
+  },
 ];
 
 /**
@@ -54,6 +59,14 @@ export function labelledColumns(steps, cellW, originCol) {
   }
   return kept.sort((a, b) => a - b);
 }
+
+/**
+ * The origin's column.
+ * @param {Object|null} origin The heatmap's origin.
+ * @param {number[]} steps Steps of the columns.
+ * @returns {number} Its index, -1 when none is shown.
+ */
+const originColumnOf = (origin, steps) => (origin ? steps.indexOf(origin.step) : -1);
 
 /**
  * Colour for t in [0, 1] on the viridis scale (d3-scale-chromatic).
@@ -124,16 +137,16 @@ export function renderHeatmap(container, heatmap, opts = {}) {
   const legendHi = el("span", { class: "legend-hi" });
   const legendBar = el("span", { class: "legend-bar" });
   legendBar.style.background = LEGEND_GRADIENT;
+  const key = (name, text) => el("span", { class: "legend-key", data: { key: name } }, [el("span", { class: `swatch swatch-${name}` }), text]);
   const legend = el("span", { class: "heatmap-legend" }, [
-    legendLo,
-    legendBar,
-    legendHi,
-    el("span", { class: "swatch swatch-nonfinite" }),
-    " NaN/Inf ",
-    el("span", { class: "swatch swatch-missing" }),
-    " not recorded",
+    el("span", { class: "legend-key", data: { key: "scale" } }, [legendLo, legendBar, legendHi]),
+    key("nonfinite", "NaN/Inf"),
+    key("corner", "corner: NaN/Inf in another tensor of the layer"),
+    originColumnOf(origin, steps) >= 0 ? key("origin", "outline: origin, where the first NaN/Inf was born") : null,
+    key("missing", "not recorded"),
   ]);
-  container.append(el("div", { class: "heatmap-toolbar" }, [...buttons, legend]));
+  const definition = el("p", { class: "heatmap-def muted", data: { field: "metric-definition" } });
+  container.append(el("div", { class: "heatmap-toolbar" }, [...buttons, legend]), definition);
 
   const available = (container.clientWidth || 700) - 260; // minus the row labels
   const cellW = Math.max(MIN_CELL_W, Math.min(MAX_CELL_W, Math.floor(available / steps.length)));
@@ -147,7 +160,7 @@ export function renderHeatmap(container, heatmap, opts = {}) {
   canvas.style.height = `${height}px`;
 
   const originRow = origin && origin.layer != null ? layers.indexOf(origin.layer) : -1;
-  const originCol = origin ? steps.indexOf(origin.step) : -1;
+  const originColumn = originColumnOf(origin, steps);
 
   const rowLabels = el("div", { class: "heatmap-rows" });
   layers.forEach((layer, r) => {
@@ -162,10 +175,10 @@ export function renderHeatmap(container, heatmap, opts = {}) {
   });
   const colLabels = el("div", { class: "heatmap-cols" });
   colLabels.style.width = `${width}px`;
-  for (const c of labelledColumns(steps, cellW, originCol)) {
+  for (const c of labelledColumns(steps, cellW, originColumn)) {
     const step = steps[c];
     const label = el("span", {
-      class: c === originCol ? "heatmap-col-label origin" : "heatmap-col-label",
+      class: c === originColumn ? "heatmap-col-label origin" : "heatmap-col-label",
       text: String(step),
       data: { step },
     });
@@ -178,13 +191,13 @@ export function renderHeatmap(container, heatmap, opts = {}) {
   const plotArea = el("div", { class: "heatmap-plot" }, [canvas]);
   plotArea.style.width = `${width}px`;
   plotArea.style.height = `${height}px`;
-  if (originCol >= 0) {
+  if (originColumn >= 0) {
     const box = el("div", {
       class: "heatmap-origin",
       title: `origin: ${origin.layer ?? "(no layer)"} at step ${origin.step} (${phaseLabel(origin.phase)})`,
-      data: { origin: "true", layer: origin.layer, step: origin.step },
+      data: { origin: "true", layer: origin.layer, step: origin.step, row: originRow >= 0 ? originRow : null },
     });
-    box.style.left = `${originCol * cellW - 1}px`;
+    box.style.left = `${originColumn * cellW - 1}px`;
     box.style.width = `${cellW + 2}px`;
     box.style.top = originRow >= 0 ? `${originRow * CELL_H - 1}px` : "0px";
     box.style.height = originRow >= 0 ? `${CELL_H + 2}px` : `${height}px`;
@@ -245,10 +258,11 @@ export function renderHeatmap(container, heatmap, opts = {}) {
     return { r, c };
   }
 
-  function setMetric(key) {
-    metric = key;
-    container.dataset.metric = key;
-    for (const b of buttons) b.setAttribute("aria-pressed", String(b.dataset.metric === key));
+  function setMetric(name) {
+    metric = name;
+    container.dataset.metric = name;
+    for (const b of buttons) b.setAttribute("aria-pressed", String(b.dataset.metric === name));
+    definition.textContent = `Cells: ${METRICS.find((m) => m.key === name).what} at each step, on a log colour scale.`;
     draw();
   }
 
@@ -261,7 +275,8 @@ export function renderHeatmap(container, heatmap, opts = {}) {
     const v = heatmap[metric]?.[cell.r]?.[cell.c];
     const flagged = heatmap.nonfinite?.[cell.r]?.[cell.c];
     const label = METRICS.find((m) => m.key === metric).label;
-    tooltip.textContent = `${layers[cell.r]}\nstep ${steps[cell.c]} · ${label} = ${fmt(v ?? null)}${flagged ? " · has NaN/Inf" : ""}`;
+    const other = flagged && !(typeof v === "number" && !Number.isFinite(v)) ? " · NaN/Inf in another tensor of the layer" : "";
+    tooltip.textContent = `${layers[cell.r]}\nstep ${steps[cell.c]} · ${label} = ${fmt(v ?? null)}${other}`;
     tooltip.hidden = false;
     tooltip.style.left = `${Math.min(cell.c * cellW + cellW + 4, Math.max(0, width - 160))}px`;
     tooltip.style.top = `${cell.r * CELL_H + CELL_H + 2}px`;

@@ -5,9 +5,9 @@
  * Shows a "healthy" card when the run has no incident, and an explosion card
  * when the run only blew up without producing a NaN/Inf.
  */
-import { renderCause } from "./cause.js";
+import { evidenceText, renderCause } from "./cause.js";
 import { el, clear } from "./dom.js";
-import { fmt } from "./format.js";
+import { counted, fmt } from "./format.js";
 import { renderBundle } from "./repro_bundle.js";
 import { nearestSteps } from "./step_table.js";
 import { kindLabel, phaseLabel } from "./vocabulary.js";
@@ -17,29 +17,74 @@ function append(container, ...nodes) {
   for (const node of nodes) if (node) container.append(node);
 }
 
+/** Whether a card value is there to show (null, undefined and "" are not). */
+const present = (value) => value !== null && value !== undefined && value !== "";
+
+/**
+ * One field of the card's details, or null when it has no value: a card
+ * shows only what was recorded.
+ */
 function field(name, label, value) {
-  return el("div", { class: "field" }, [
-    el("dt", { text: label }),
-    el("dd", { data: { field: name }, text: value === null || value === undefined ? "–" : String(value) }),
-  ]);
+  if (!present(value)) return null;
+  return el("div", { class: "field" }, [el("dt", { text: label }), el("dd", { data: { field: name }, text: String(value) })]);
 }
 
 /**
  * The op that made the first non-finite value, from the replay:
- * "op Log (name model/dense_3/Log) at model.py:42".
- * @param {{type: string, name: string, source: string|null, reproduced: boolean}|null|undefined} op The op.
- * @returns {HTMLElement|null} The line, null without an op.
+ * "op Log (name model/dense_3/Log) at model.py:42"; only the parts it named.
+ * @param {{type?: string, name?: string, source?: string|null, reproduced?: boolean}|null|undefined} op The op.
+ * @returns {HTMLElement|null} The line; null without an op, or with an empty
+ *   one that the replay did not try.
  */
 function renderOp(op) {
   if (!op) return null;
-  return el("p", { class: "card-op", data: { field: "op", reproduced: op.reproduced } }, [
-    "op ",
-    el("code", { data: { field: "op-type" }, text: op.type }),
-    " (name ",
-    el("code", { data: { field: "op-name" }, text: op.name }),
-    ")",
-    ...(op.source ? [" at ", el("code", { data: { field: "op-source" }, text: op.source })] : [", source line unknown"]),
-    op.reproduced === false ? el("span", { class: "card-note", data: { field: "not-reproduced" }, text: " · not reproduced by the replay" }) : null,
+  const notReproduced = op.reproduced === false;
+  if (!present(op.type) && !present(op.name) && !present(op.source)) {
+    if (!notReproduced) return null;
+    return el("p", { class: "card-op card-note", data: { field: "op", reproduced: false } }, [
+      el("span", { data: { field: "not-reproduced" }, text: "The replay did not reproduce the non-finite value, so no op is named." }),
+    ]);
+  }
+  const parts = [];
+  if (present(op.type)) parts.push("op ", el("code", { data: { field: "op-type" }, text: op.type }));
+  if (present(op.name)) parts.push(parts.length ? " (name " : "op ", el("code", { data: { field: "op-name" }, text: op.name }), parts.length ? ")" : "");
+  if (present(op.source)) parts.push(parts.length ? " at " : "source line ", el("code", { data: { field: "op-source" }, text: op.source }));
+  if (notReproduced) parts.push(el("span", { class: "card-note", data: { field: "not-reproduced" }, text: " · not reproduced by the replay" }));
+  return el("p", { class: "card-op", data: { field: "op", reproduced: op.reproduced } }, parts);
+}
+
+/**
+ * The explosion's growth, with what the ratio is: the signal's value when
+ * the explosion was confirmed over its reference level before the onset.
+ * @param {Object} exp The explosion (`factor`, and `value`/`reference` when recorded).
+ * @returns {HTMLElement|null} The line, null without a ratio.
+ */
+function renderGrowth(exp) {
+  if (typeof exp.factor !== "number") return null;
+  const what = exp.layer ? `the ${exp.signal} of ${exp.layer}` : `the ${exp.signal}`;
+  const known = typeof exp.value === "number" && typeof exp.reference === "number";
+  return el("p", { class: "card-def", data: { field: "growth" } }, [
+    "Growth: ",
+    el("strong", { data: { field: "growth-factor" }, text: `×${fmt(exp.factor)}` }),
+    ` = ${what} when the explosion was confirmed${known ? ` (${fmt(exp.value)})` : ""}`,
+    ` ÷ its reference level before the onset${known ? ` (${fmt(exp.reference)})` : ""}`,
+    ", the lowest running median of the earlier steps.",
+  ]);
+}
+
+/**
+ * The learning-rate jump in the steps before the onset, when one was recorded.
+ * @param {Object} exp The explosion, with `lr_change: {step, from, to}`.
+ * @returns {HTMLElement|null} The line.
+ */
+function renderLrChange(exp) {
+  const change = exp.lr_change;
+  if (!change || typeof change.from !== "number" || typeof change.to !== "number") return null;
+  const verb = change.to > change.from ? "jumped" : "dropped";
+  const before = exp.step - change.step;
+  const when = before > 0 ? `, ${counted(before, "step")} before the onset` : ", at the onset";
+  return el("p", { class: "card-note", data: { field: "lr-change", step: change.step } }, [
+    `The learning rate ${verb} from ${fmt(change.from)} to ${fmt(change.to)} at step ${change.step}${when}.`,
   ]);
 }
 
@@ -47,7 +92,7 @@ function renderHints(hints) {
   if (!hints || !hints.length) return null;
   const list = el("ol", { class: "hints" });
   for (const hint of hints) {
-    const evidence = Object.entries(hint.evidence || {});
+    const evidence = Object.entries(hint.evidence || {}).filter(([, v]) => present(v));
     list.append(
       el("li", { class: "hint", data: { hint: hint.id } }, [
         el("div", { class: "hint-title", text: hint.title }),
@@ -59,7 +104,7 @@ function renderHints(hints) {
               evidence.map(([k, v]) =>
                 el("div", { class: "field" }, [
                   el("dt", { text: k }),
-                  el("dd", { data: { evidence: k }, text: typeof v === "number" ? fmt(v, 6) : String(v) }),
+                  el("dd", { data: { evidence: k }, text: typeof v === "number" ? fmt(v, 6) : evidenceText(v) }),
                 ]),
               ),
             )
@@ -71,30 +116,27 @@ function renderHints(hints) {
 }
 
 function incidentParts(inc, exp, goto) {
-  const where = inc.layer ? inc.layer : "(no single layer)";
+  const tensor = present(inc.tensor) ? ` (${inc.tensor})` : "";
+  const where = inc.layer ? [" phase at ", el("code", { text: inc.layer }), `${tensor}.`] : [` phase${tensor}.`];
   return [
     el("h3", { class: "card-title", text: `First ${kindLabel(inc.kind)} at step ${inc.step}` }),
-    el("p", { class: "card-summary" }, [
-      "Born in the ",
-      el("strong", { text: phaseLabel(inc.phase) }),
-      " phase at ",
-      el("code", { text: where }),
-      ` (${inc.tensor}).`,
-    ]),
+    el("p", { class: "card-summary" }, ["Born in the ", el("strong", { text: phaseLabel(inc.phase) }), ...where]),
     renderOp(inc.op),
     el("dl", { class: "fields" }, [
       field("step", "step", inc.step),
       field("epoch", "epoch", inc.epoch),
       field("batch", "batch", inc.batch),
-      field("phase", "phase", phaseLabel(inc.phase)),
-      field("layer", "layer", inc.layer ?? "(none)"),
+      field("phase", "phase", present(inc.phase) ? phaseLabel(inc.phase) : null),
+      field("layer", "layer", inc.layer),
       field("tensor", "tensor", inc.tensor),
-      field("kind", "NaN / Inf", kindLabel(inc.kind)),
+      field("kind", "NaN / Inf", present(inc.kind) ? kindLabel(inc.kind) : null),
       field("iterations", "optimizer iterations", inc.iterations),
-      field("loss", "loss", fmt(inc.loss ?? null)),
+      field("loss", "loss", present(inc.loss) ? fmt(inc.loss) : null),
     ]),
     inc.note ? el("p", { class: "card-note", data: { field: "note" }, text: inc.note }) : null,
     exp ? el("p", { class: "card-note", data: { field: "explosion" }, text: `Explosion onset before it: step ${exp.step} (${exp.signal}).` }) : null,
+    exp ? renderLrChange(exp) : null,
+    exp ? renderGrowth(exp) : null,
     goto(inc.step),
   ];
 }
@@ -104,7 +146,9 @@ function explosionParts(exp, goto) {
   return [
     el("h3", { class: "card-title", text: `Explosion from step ${exp.step}` }),
     el("p", { class: "card-summary", text: `No NaN/Inf was recorded, but ${exp.signal} started to blow up.` }),
-    el("dl", { class: "fields" }, [field("step", "step", exp.step), field("signal", "signal", exp.signal)]),
+    el("dl", { class: "fields" }, [field("step", "onset step", exp.step), field("signal", "signal", exp.signal), field("layer", "layer", exp.layer)]),
+    renderLrChange(exp),
+    renderGrowth(exp),
     goto(exp.step),
   ];
 }

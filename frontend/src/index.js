@@ -5,6 +5,7 @@
  */
 import { fetchRuns, fetchVocabulary } from "./api.js";
 import { el, clear } from "./dom.js";
+import { counted } from "./format.js";
 import { createRunPanel } from "./run_panel.js";
 import { createRunSelector, defaultSelection } from "./run_selector.js";
 import { onTensorBoardReload } from "./tensorboard_host.js";
@@ -78,10 +79,26 @@ export async function render() {
   }
 
   let latestRuns = [];
-  const selector = createRunSelector(selectorBox, (next) => {
-    selection = next;
-    showPanels(selection, latestRuns);
-  });
+  /** The run filter's test: the panels of the runs it hides are hidden too. */
+  let shownByFilter = () => true;
+  const hiddenNote = el("p", { class: "muted", data: { field: "all-filtered" }, text: "The selected runs are hidden by the run filter." });
+  function applyFilter() {
+    for (const p of panels) p.node.hidden = !shownByFilter(p.run);
+    hiddenNote.hidden = !panels.length || panels.some((p) => !p.node.hidden);
+    if (!hiddenNote.isConnected) panelsBox.prepend(hiddenNote);
+  }
+  const selector = createRunSelector(
+    selectorBox,
+    (next) => {
+      selection = next;
+      showPanels(selection, latestRuns);
+      applyFilter();
+    },
+    (matches) => {
+      shownByFilter = matches;
+      applyFilter();
+    },
+  );
 
   async function load() {
     status.textContent = "Loading runs…";
@@ -106,7 +123,8 @@ export async function render() {
     selection = selection ? selection.filter((n) => names.has(n)) : defaultSelection(runs);
     selector.update(runs, selection);
     updatePanels(selection, runs);
-    status.textContent = `${runs.length} run${runs.length === 1 ? "" : "s"}`;
+    applyFilter();
+    status.textContent = counted(runs.length, "run");
     root.dataset.state = "ready";
     root.dataset.reloads = String(reloads++);
   }

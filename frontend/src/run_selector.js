@@ -1,6 +1,7 @@
 /** Run selector: pick one or several runs to show side by side. */
 import { causeLine } from "./cause.js";
 import { el, clear } from "./dom.js";
+import { counted } from "./format.js";
 import { kindLabel, phaseLabel } from "./vocabulary.js";
 
 /**
@@ -22,7 +23,7 @@ export function runStatus(run) {
     parts.push(`explosion from step ${run.explosion.step} (${run.explosion.signal})`);
   }
   if (!parts.length) parts.push("healthy: no NaN/Inf");
-  parts.push(`${run.steps} steps, ${run.status}`);
+  parts.push(`${counted(run.steps, "step")}, ${run.status}`);
   if (run.skipped_count) parts.push(`${run.skipped_count} skipped`);
   return { text: parts.join(" · "), state };
 }
@@ -60,9 +61,11 @@ export function runFilter(text) {
  * Creates the run selector: a filter box (kept across updates) and the list.
  * @param {HTMLElement} container Where to render (emptied first).
  * @param {(selected: string[]) => void} onChange Called with the new selection.
+ * @param {(matches: (name: string) => boolean) => void} [onFilter] Called with
+ *   the filter's test whenever the list is drawn (the panels of runs it hides are hidden too).
  * @returns {{update: (runs: Array<Object>, selected: string[]) => void}} Selector.
  */
-export function createRunSelector(container, onChange) {
+export function createRunSelector(container, onChange, onFilter = () => {}) {
   clear(container);
   const filterBox = el("input", {
     class: "run-filter",
@@ -83,10 +86,11 @@ export function createRunSelector(container, onChange) {
       return;
     }
     const filter = runFilter(filterBox.value);
+    onFilter(filter.matches);
     filterBox.classList.toggle("invalid", !filter.valid);
     filterBox.title = filter.valid ? "" : "Not a valid regular expression: matching it as plain text";
     const shown = runs.filter((r) => filter.matches(r.run));
-    count.textContent = shown.length === runs.length ? `${runs.length} runs` : `${shown.length} of ${runs.length} runs match`;
+    count.textContent = shown.length === runs.length ? counted(runs.length, "run") : `${shown.length} of ${counted(runs.length, "run")} match`;
     const list = el("ul", { class: "run-list" });
     for (const run of shown) {
       const status = runStatus(run);

@@ -1,6 +1,6 @@
 /** Per-layer table of one step (`step` route). */
 import { el, clear } from "./dom.js";
-import { fmt, isNonFinite, truncateLeft } from "./format.js";
+import { counted, fmt, isNonFinite, truncateLeft } from "./format.js";
 import { isTextKey, phaseLabel } from "./vocabulary.js";
 
 /** The row keys shown, in order; a key the vocabulary does not call text is a number. */
@@ -83,8 +83,8 @@ export function renderStepTable(container, data, incident = null) {
   const rows = data.rows || [];
   const bad = rows.filter((r) => COLUMNS.some((c) => isBadCell(c, r[c]))).length;
   container.append(
-    el("h4", { text: `Step ${data.step} · ${rows.length} tensors (${data.source} record)` }),
-    el("p", { class: bad ? "warn" : "muted", data: { field: "bad-rows" }, text: bad ? `${bad} tensors with NaN/Inf (highlighted).` : "All tensors finite." }),
+    el("h4", { text: `Step ${data.step} · ${counted(rows.length, "tensor")} (${data.source} record)` }),
+    el("p", { class: bad ? "warn" : "muted", data: { field: "bad-rows" }, text: bad ? `${counted(bad, "tensor")} with NaN/Inf (highlighted).` : "All tensors finite." }),
   );
   const head = el("tr", {}, COLUMNS.map((c) => el("th", { text: c.replace("_", " ") })));
   const body = el("tbody");

@@ -3,8 +3,12 @@
  * step. Wires the data/zoom controller (timeline_data.js) to the drawing
  * (timeline_plot.js) and owns the toolbar, the key and the user's gestures.
  *
- * Red line: first non-finite step; orange dashed line: explosion onset; grey
- * bands: steps skipped by the loss scaler; blue line: the selected step.
+ * Magenta line: first non-finite step; dashed line in the text colour:
+ * explosion onset; grey dotted line: a learning-rate jump before the onset;
+ * green dash-dot line: a rewind (`on_nonfinite="rewind"`: the run went back
+ * to a rewind point with a remedy set, its label says which)
+ * (their labels sit above the plot, in rows that never overlap); grey bands:
+ * steps skipped by the loss scaler; blue dotted line: the selected step.
  * Zoom by dragging, pan with shift+drag or the arrow buttons, reset with a
  * double-click or the button; "Go to incident" centres the incident (or the
  * explosion onset). CSV/JSON download the whole run at full resolution. Timelines created with the same `syncKey`
@@ -14,7 +18,28 @@ import uPlot from "uplot";
 import { el, clear } from "./dom.js";
 import { downloadName, saveText, timelineCsv, timelineJson } from "./download.js";
 import { createTimelineData, stepOfPoint } from "./timeline_data.js";
-import { HEIGHT, createPlot, magnitudeThreshold, toPlotData } from "./timeline_plot.js";
+import { cssColor } from "./theme.js";
+import { HEIGHT, REWIND_COLOR, SERIES, createPlot, magnitudeThreshold, placeLabels, toPlotData } from "./timeline_plot.js";
+
+/**
+ * Gives `node` the rewind line's look: a green dashed border on `side`
+ * (`borderLeft` for a label, `borderTop` for the key's swatch).
+ * @param {HTMLElement} node Element to style.
+ * @param {string} side CSS border property.
+ */
+function styleRewind(node, side) {
+  const color = `var(${REWIND_COLOR})`; // follows the theme
+  node.style[side] = `2px dashed ${color}`;
+  if (side === "borderLeft") node.style.color = color;
+}
+
+/** The key's swatch of the rewind line. */
+function rewindSwatch() {
+  const swatch = el("span", { class: "swatch swatch-rewind-line" });
+  swatch.style.height = "0";
+  styleRewind(swatch, "borderTop");
+  return swatch;
+}
 
 /** Steps shown either side of the incident by "Go to incident" when not zoomed in closer. */
 const INCIDENT_HALF_SPAN = 50;
@@ -48,17 +73,20 @@ export function createTimeline(container, opts) {
   const toolbar = el("div", { class: "timeline-toolbar" }, [
     resetBtn, panLeft, panRight, incidentBtn, info, el("span", { class: "toolbar-gap" }), csvBtn, jsonBtn,
   ]);
+  const marksStrip = el("div", { class: "timeline-marks", data: { field: "marks" } });
   const chartBox = el("div", { class: "timeline-chart" });
   const keyText = el("div", { class: "timeline-key muted" }, [
     el("span", { class: "mark mark-posinf", text: "▲" }), " +Inf  ",
     el("span", { class: "mark mark-neginf", text: "▼" }), " -Inf  ",
     el("span", { class: "mark mark-nan", text: "◆" }), " NaN (at the plot edge)  ",
     el("span", { class: "swatch swatch-first" }), " first non-finite  ",
-    el("span", { class: "swatch swatch-explosion" }), " explosion onset  ",
+    el("span", { class: "swatch swatch-explosion-line" }), " explosion onset  ",
+    el("span", { class: "swatch swatch-lr-line" }), " learning-rate jump before it  ",
+    rewindSwatch(), " rewind  ",
     el("span", { class: "swatch swatch-skipped" }), " skipped steps · ",
     "drag: zoom · shift+drag: pan · double-click: reset · click: layers of that step",
   ]);
-  container.append(toolbar, chartBox, keyText);
+  container.append(toolbar, marksStrip, chartBox, keyText);
 
   let u = null;
   let selectedStep = null;
@@ -94,7 +122,8 @@ export function createTimeline(container, opts) {
     }
     container.dataset.viewStart = String(a);
     container.dataset.viewEnd = String(b + 1);
-    info.textContent = `steps ${a}–${b} of ${tl.total_steps} · ${exact}`;
+    const shown = a === b ? `step ${a}` : `steps ${a}–${b}`;
+    info.textContent = `${shown} of ${tl.total_steps} · ${exact}`;
   }
 
   const member = {
@@ -155,8 +184,11 @@ export function createTimeline(container, opts) {
         data.showRange(u.scales.x.min, u.scales.x.max);
       },
       onSelectRange: userSetRange,
-      onDrawn({ series, marks, ticks }) {
+      onMarks: showMarkLabels,
+      onDrawn({ series, marks, ticks, axes }) {
         // Exposed for tests: what was drawn.
+        container.dataset.axisLeft = axes[0];
+        container.dataset.axisRight = axes[1];
         container.dataset.seriesDrawn = String(series);
         container.dataset.marksInside = String(marks);
         container.dataset.ticksX = ticks[0].join(" ");
@@ -164,6 +196,30 @@ export function createTimeline(container, opts) {
         container.dataset.ticksRight = ticks[2].join(" ");
       },
     });
+  }
+
+  /** The labels of the marker lines, above the plot, in rows that never overlap. */
+  function showMarkLabels(lines) {
+    const key = JSON.stringify(lines);
+    if (marksStrip.dataset.drawn === key) return;
+    marksStrip.dataset.drawn = key;
+    clear(marksStrip);
+    const spans = lines.map((line) => el("span", { class: `mark-label mark-label-${line.kind}`, data: { mark: line.kind, step: line.step }, text: line.text }));
+    spans.forEach((span, i) => {
+      if (lines[i].kind === "rewind") styleRewind(span, "borderLeft");
+    });
+    marksStrip.append(...spans);
+    const placed = placeLabels(
+      lines.map((line, i) => ({ x: line.x, width: spans[i].offsetWidth })),
+      marksStrip.clientWidth,
+    );
+    const rowHeight = 16;
+    placed.forEach(({ left, row }, i) => {
+      spans[i].style.left = `${left}px`;
+      spans[i].style.top = `${row * rowHeight}px`;
+    });
+    const rows = placed.length ? Math.max(...placed.map((p) => p.row)) + 1 : 1;
+    marksStrip.style.height = `${rows * rowHeight}px`;
   }
 
   function onMouseMove(e) {
@@ -255,9 +311,14 @@ export function createTimeline(container, opts) {
       if (full) showLoaded(full, view);
       return full;
     },
-    /** Draws again, e.g. in the colours of a new theme. */
+    /** Draws again, e.g. in the colours of a new theme (the legend's markers too). */
     redraw() {
-      u?.redraw(false);
+      if (!u) return;
+      u.root.querySelectorAll(".u-legend .u-series").forEach((row, i) => {
+        const marker = row.querySelector(".u-marker");
+        if (i > 0 && marker) marker.style.borderColor = cssColor(SERIES[i - 1].color);
+      });
+      u.redraw(false);
     },
     gotoIncident,
     setSelectedStep(step) {

@@ -1,6 +1,6 @@
 /**
  * The timeline's drawing (uPlot): series, axes, non-finite marks, the
- * incident/explosion/selection lines and the skipped-step bands. It draws
+ * incident/explosion/rewind/selection lines and the skipped-step bands. It draws
  * whatever response `getData()` returns and reports the user's gestures;
  * what to fetch is decided in timeline_data.js.
  *
@@ -30,15 +30,53 @@ const FALLBACK_PLOT_HEIGHT = HEIGHT - 60;
 /** Step increments of the x axis: whole steps only (never 0.2). */
 const STEP_INCREMENTS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9].flatMap((k) => [1, 2, 5].map((m) => m * 10 ** k));
 
-const COLORS = { nan: "#d000d0", marker: "#d62728", explosion: "#ff7f0e" };
+/** Least room per point, in CSS pixels, for a series to show its points. */
+const POINT_SPACE = 12;
+/** The line of a rewind (`on_nonfinite="rewind"`): its colour variable and dash-dot pattern. */
+export const REWIND_COLOR = "--healthy";
+export const REWIND_DASH = [10, 3, 2, 3];
 
-/** The plotted series: column name, label, scale and colour. */
+/** Gap between a marker line and its label, and between two labels of a row, in CSS pixels. */
+const LABEL_GAP = 4;
+
+/**
+ * The plotted series: column name, label, scale, the CSS variable of its
+ * colour (Okabe-Ito hues, one set per theme: style.css) and its dash (the
+ * right axis' series are dashed, so no reader needs the colour alone).
+ */
 export const SERIES = [
-  { column: "loss", label: "loss (left)", scale: "mag", stroke: "#1f77b4" },
-  { column: "grad_norm", label: "grad norm (left)", scale: "mag", stroke: "#e6550d" },
-  { column: "logit_max", label: "logit max (right)", scale: "logit", stroke: "#2ca02c" },
-  { column: "logit_min", label: "logit min (right)", scale: "logit", stroke: "#a0522d" },
+  { column: "loss", label: "loss (left)", scale: "mag", color: "--series-loss" },
+  { column: "grad_norm", label: "grad norm (left)", scale: "mag", color: "--series-grad" },
+  { column: "logit_max", label: "logit max (right)", scale: "logit", color: "--series-logit-max", dash: [7, 3] },
+  { column: "logit_min", label: "logit min (right)", scale: "logit", color: "--series-logit-min", dash: [2, 2] },
 ];
+
+/** The titles of the y axes: what each shows. */
+export const AXIS_TITLES = { left: "loss, grad norm (symlog)", right: "logit min, max (symlog)" };
+
+/**
+ * Rows for marker labels so that no two overlap: each label sits right of
+ * its line (left of it when it would pass the right edge), in the first row
+ * where it clears the labels already there.
+ * @param {Array<{x: number, width: number}>} labels Line positions and label widths, CSS pixels.
+ * @param {number} width Width available.
+ * @returns {Array<{left: number, row: number}>} Placement of each label, in input order.
+ */
+export function placeLabels(labels, width) {
+  const order = labels.map((label, i) => i).sort((a, b) => labels[a].x - labels[b].x);
+  const rowEnds = [];
+  const placed = new Array(labels.length);
+  for (const i of order) {
+    const { x, width: w } = labels[i];
+    let left = x + LABEL_GAP;
+    if (left + w > width) left = Math.max(0, x - LABEL_GAP - w);
+    let row = rowEnds.findIndex((end) => end + LABEL_GAP <= left);
+    if (row < 0) row = rowEnds.push(-Infinity) - 1;
+    rowEnds[row] = left + w;
+    placed[i] = { left, row };
+  }
+  return placed;
+}
 
 /**
  * Linear threshold of the magnitude axis: the power of ten at or below the
@@ -159,10 +197,25 @@ function drawMark(ctx, kind, x, y, r) {
   ctx.stroke();
 }
 
-function vline(u, step, color, dash, label, row = 0) {
+/**
+ * Whether a series' points are drawn: when they have room (uPlot's rule),
+ * and always for a single point, which has no line to show it.
+ * @param {Object} self The plot.
+ * @returns {boolean} Draw the points.
+ */
+function pointsFit(self) {
+  const [i0, i1] = self.series[0].idxs || [0, 0];
+  if (!(i1 > i0)) return true;
+  const xs = self.data[0];
+  const span = Math.abs(self.valToPos(xs[i1], "x") - self.valToPos(xs[i0], "x"));
+  return i1 - i0 <= span / POINT_SPACE;
+}
+
+/** A vertical line at `step` across the plot; its label is the timeline's (see `onMarks`). */
+function vline(u, step, color, dash) {
   const x = u.valToPos(step, "x", true);
   const { top, left, width, height } = u.bbox;
-  if (!(x >= left && x <= left + width)) return;
+  if (!(x >= left && x <= left + width)) return false;
   const ctx = u.ctx;
   const dpr = uPlot.pxRatio;
   ctx.save();
@@ -173,18 +226,8 @@ function vline(u, step, color, dash, label, row = 0) {
   ctx.moveTo(x, top);
   ctx.lineTo(x, top + height);
   ctx.stroke();
-  if (label) {
-    ctx.setLineDash([]);
-    ctx.font = `${11 * dpr}px sans-serif`;
-    const w = ctx.measureText(label).width;
-    const tx = x + 4 * dpr + w > left + width ? x - 4 * dpr - w : x + 4 * dpr;
-    const ty = top + (40 + 15 * row) * dpr;
-    ctx.fillStyle = cssColor("--label-bg");
-    ctx.fillRect(tx - 2 * dpr, ty - 11 * dpr, w + 4 * dpr, 14 * dpr);
-    ctx.fillStyle = color;
-    ctx.fillText(label, tx, ty);
-  }
   ctx.restore();
+  return true;
 }
 
 /**
@@ -207,11 +250,14 @@ export function paddedStepRange(min, max) {
  *          onMouseDown: (e: MouseEvent, plot: Object) => boolean,
  *          onDoubleClick: () => void, onScaleX: () => void,
  *          onSelectRange: (min: number, max: number) => void,
- *          onDrawn: (drawn: {series: number, marks: number, ticks: string[][]}) => void}} opts
+ *          onMarks: (labels: Array<{kind: string, step: number, text: string, x: number}>) => void,
+ *          onDrawn: (drawn: {series: number, marks: number, ticks: string[][], axes: string[]}) => void}} opts
  *   `getData` returns the `timeline` response on screen; `onMouseDown` returns
  *   true when it took the event (uPlot then ignores it); `onDrawn` reports
  *   after each draw how many series have a path, how many NaN/Inf marks lie
- *   wholly inside the plot, and the tick labels of the x, left and right axes.
+ *   wholly inside the plot, the tick labels of the x, left and right axes and
+ *   the titles of the y axes; `onMarks` gets the marker lines drawn (x in CSS
+ *   pixels from the chart's left edge) for their labels.
  * @returns {Object} The uPlot instance.
  */
 export function createPlot(chartBox, opts) {
@@ -254,7 +300,7 @@ export function createPlot(chartBox, opts) {
     for (let s = 0; s < SERIES.length; s++) {
       const col = tl.columns[SERIES[s].column];
       if (!col || !plot.series[s + 1].show) continue;
-      ctx.fillStyle = SERIES[s].stroke;
+      ctx.fillStyle = cssColor(SERIES[s].color);
       for (let i = 0; i < tl.steps.length; i++) {
         const kind = nonFiniteKind(col[i]);
         if (!kind) continue;
@@ -262,7 +308,7 @@ export function createPlot(chartBox, opts) {
         if (x < left - r || x > left + width + r) continue;
         if (x >= left + r && x <= left + width - r) inside++;
         const y = kind === "neginf" ? top + height - r - 1 : top + r + 1 + (kind === "nan" ? 2 * r + 2 : 0);
-        ctx.strokeStyle = kind === "nan" ? COLORS.nan : cssColor("--fg");
+        ctx.strokeStyle = kind === "nan" ? cssColor("--bad") : cssColor("--fg");
         drawMark(ctx, kind, x, y, r);
       }
     }
@@ -273,13 +319,26 @@ export function createPlot(chartBox, opts) {
   function drawOverlays(plot) {
     const tl = getData();
     if (!tl) return;
-    // Lines first: the marks at the incident step stay on top of its red line.
-    if (tl.first_nonfinite) vline(plot, tl.first_nonfinite.step, COLORS.marker, [], `first non-finite: step ${tl.first_nonfinite.step}`);
-    if (tl.explosion) vline(plot, tl.explosion.step, COLORS.explosion, [6, 4], `explosion: step ${tl.explosion.step}`, 1);
+    // Lines first: the marks at the incident step stay on top of its line.
+    const labels = [];
+    const line = (kind, step, color, dash, text) => {
+      if (vline(plot, step, color, dash)) labels.push({ kind, step, text, x: plot.valToPos(step, "x") + plot.over.offsetLeft });
+    };
+    if (tl.first_nonfinite) line("first", tl.first_nonfinite.step, cssColor("--first"), [], `first non-finite: step ${tl.first_nonfinite.step}`);
+    if (tl.explosion) line("explosion", tl.explosion.step, cssColor("--fg"), [6, 4], `explosion onset: step ${tl.explosion.step}`);
+    const jump = tl.explosion?.lr_change;
+    if (jump && typeof jump.from === "number" && typeof jump.to === "number") {
+      line("lr", jump.step, cssColor("--muted"), [2, 3], `learning rate ${fmt(jump.from)} → ${fmt(jump.to)}: step ${jump.step}`);
+    }
+    for (const r of Array.isArray(tl.recoveries) ? tl.recoveries : []) {
+      if (typeof r.step === "number") line("rewind", r.step, cssColor(REWIND_COLOR), REWIND_DASH, String(r.label || `rewind: step ${r.step}`));
+    }
     const selectedStep = opts.getSelectedStep();
-    if (selectedStep !== null) vline(plot, selectedStep, cssColor("--accent"), [2, 3], null);
+    if (selectedStep !== null) vline(plot, selectedStep, cssColor("--accent"), [2, 3]);
     const marks = drawMarks(plot, tl);
-    opts.onDrawn({ series: plot.series.slice(1).filter((s) => s._paths).length, marks, ticks });
+    opts.onMarks(labels);
+    const axes = [plot.axes[1].label, plot.axes[2].label];
+    opts.onDrawn({ series: plot.series.slice(1).filter((s) => s._paths).length, marks, ticks, axes });
   }
 
   const plotHeight = (self) => (self.bbox.height ? self.bbox.height / uPlot.pxRatio : FALLBACK_PLOT_HEIGHT);
@@ -304,9 +363,17 @@ export function createPlot(chartBox, opts) {
     ...SERIES.map((s) => ({
       label: s.label,
       scale: s.scale,
-      stroke: s.stroke,
+      stroke: () => cssColor(s.color),
+      dash: s.dash ? s.dash.map((d) => d * uPlot.pxRatio) : undefined,
       width: 1.5,
       spanGaps: false,
+      // Always drawn: a run of one step is one point, with no line to show it.
+      points: {
+        show: pointsFit,
+        size: 7,
+        // Hollow on the page's colour; filled when alone, to be seen at once.
+        fill: (self) => (self.data[0].length === 1 ? cssColor(s.color) : cssColor("--bg")),
+      },
       value: (self, v, sidx, idx) => fmt(rawValue(sidx, idx)),
     })),
   ];
@@ -315,7 +382,8 @@ export function createPlot(chartBox, opts) {
     height: HEIGHT,
     series,
     scales: {
-      x: { time: false, range: (self, min, max) => paddedStepRange(min, max) },
+      // One step: uPlot would widen the range to [0, 100]; centre the point instead.
+      x: { time: false, range: (self, min, max) => (self.data[0].length === 1 ? paddedStepRange(self.data[0][0], self.data[0][0]) : paddedStepRange(min, max)) },
       mag: { distr: 4, asinh: threshold },
       logit: { distr: 4, asinh: 1 },
     },
@@ -324,7 +392,7 @@ export function createPlot(chartBox, opts) {
       {
         ...themed,
         scale: "mag",
-        label: "left: loss, grad norm (symlog)",
+        label: AXIS_TITLES.left,
         splits: (self, i, min, max) => symlogTicks(min, max, threshold, plotHeight(self)),
         filter: (self, splits) => splits,
         values: labelled(1, tickLabel),
@@ -334,7 +402,7 @@ export function createPlot(chartBox, opts) {
         ...themed,
         scale: "logit",
         side: 1,
-        label: "right: logits (symlog)",
+        label: AXIS_TITLES.right,
         grid: { show: false },
         splits: (self, i, min, max) => symlogTicks(min, max, 1, plotHeight(self)),
         filter: (self, splits) => splits,
@@ -354,7 +422,7 @@ export function createPlot(chartBox, opts) {
         },
       },
     },
-    legend: { live: true },
+    legend: { live: true, markers: { dash: (self, i) => (SERIES[i - 1]?.dash ? "dashed" : "solid") } },
     hooks: {
       drawClear: [drawSkipped],
       draw: [drawOverlays],

@@ -5,7 +5,10 @@ an unreadable directory, and opens anything named like an event file (a FIFO
 blocks the reader forever). This walk instead reads each directory once
 (tracked by ``(st_dev, st_ino)``), skips what it cannot read, and accepts only
 readable regular files as event files; each thing skipped costs one warning
-line. Needs no TensorFlow.
+line. The log dir is a closed box: a symlinked directory is followed only
+when it resolves inside the log dir, and an event file only read when it
+resolves inside its run dir (a symlink out of it is skipped with a warning).
+Needs no TensorFlow.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import stat
+
+from tb_nanwatch.evidence import run_dir_box
+from tb_nanwatch.evidence.printable import printable
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +36,7 @@ def is_remote(path: str) -> bool:
 
 
 def _warn(path: str, reason: str) -> None:
-    logger.warning("nanwatch: skipping %s: %s", path, reason)
+    logger.warning("nanwatch: skipping %s: %s", printable(path), printable(reason))
 
 
 def _error_text(error: OSError) -> str:
@@ -64,14 +70,25 @@ def event_file_problem(path: str) -> str | None:
 
 
 def is_loadable_event_file(path: str) -> bool:
-    """A readable regular file named like an event file (no warning)."""
-    return is_event_file_name(os.path.basename(path)) and event_file_problem(path) is None
+    """A readable regular file named like an event file, inside its run dir
+    after symlinks (no warning)."""
+    return (
+        is_event_file_name(os.path.basename(path))
+        and not links_out(path)
+        and event_file_problem(path) is None
+    )
+
+
+def links_out(path: str) -> bool:
+    """Whether ``path`` is a symlink that resolves outside its own directory."""
+    return os.path.islink(path) and not run_dir_box.within(os.path.dirname(path), path)
 
 
 class _Walk:
     """One walk of a log dir: real directories first, then symlinked ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, logdir: str) -> None:
+        self.logdir = logdir
         self.seen: dict[tuple[int, int], str] = {}
         self.pending: list[str] = []
         self.linked: list[str] = []
@@ -99,13 +116,20 @@ class _Walk:
         """Queues a subdirectory; True for a loadable event file."""
         try:
             if entry.is_dir(follow_symlinks=True):
-                queue = self.linked if entry.is_symlink() else self.pending
-                queue.append(entry.path)
+                if not entry.is_symlink():
+                    self.pending.append(entry.path)
+                elif run_dir_box.within(self.logdir, entry.path):
+                    self.linked.append(entry.path)
+                else:
+                    _warn(entry.path, "a symlink to a directory outside the log dir, not followed")
                 return False
         except OSError as error:
             _warn(entry.path, f"cannot be read ({_error_text(error)})")
             return False
         if not is_event_file_name(entry.name):
+            return False
+        if links_out(entry.path):
+            _warn(entry.path, "a symlink to a file outside its run dir, not read")
             return False
         problem = event_file_problem(entry.path)
         if problem:
@@ -122,7 +146,7 @@ class _Walk:
 def find_run_dirs(logdir: str) -> list[str]:
     """Every directory under ``logdir`` (itself included) that holds at least
     one loadable event file, sorted; symlinked directories are followed once."""
-    walk = _Walk()
+    walk = _Walk(logdir)
     directory: str | None = logdir
     while directory is not None:
         walk.visit(directory)

@@ -132,6 +132,8 @@ class NanWatchPlugin(base_plugin.TBPlugin):
 
     def __init__(self, context: base_plugin.TBContext) -> None:
         self._data_provider = context.data_provider
+        # The local log dir, where the run dirs' remedy trials are read from.
+        self._logdir = getattr(context, "logdir", None)
         self._series_cache = reader.SeriesCache()
 
     def get_plugin_apps(self) -> dict[str, Callable]:
@@ -199,12 +201,22 @@ class NanWatchPlugin(base_plugin.TBPlugin):
             return {"runs": []}
         source = self._source(ctx, experiment)
         runs = source.runs()
-        return {
-            "runs": [
-                views.run_entry(runs[name], self._cause(source, runs[name]))
-                for name in sorted(runs)
-            ]
-        }
+        entries = (self._run_entry(source, runs[name]) for name in sorted(runs))
+        return {"runs": [entry for entry in entries if entry is not None]}
+
+    def _run_entry(self, source: reader.Source, run: reader.Run) -> dict | None:
+        """One run of the ``runs`` route; None (one warning) for a run that
+        cannot be listed: one bad run never hides the others."""
+        try:
+            return views.run_entry(run, self._cause(source, run))
+        except Exception as error:  # noqa: BLE001
+            logger.warning(
+                "nanwatch: run %r left out of the list: %s: %s",
+                run.name,
+                type(error).__name__,
+                error,
+            )
+            return None
 
     def timeline_impl(
         self,
@@ -236,7 +248,7 @@ class NanWatchPlugin(base_plugin.TBPlugin):
         series = source.series(run, self._series_cache)
         if series is None:
             raise _not_found(f"the series of run {run.name!r} could not be read")
-        record = reader.run_record(run, incident, series, flight)
+        record = reader.run_record(run, incident, series, flight, self._logdir)
         return {
             "run": run.name,
             "incident": incident,
@@ -273,9 +285,10 @@ class NanWatchPlugin(base_plugin.TBPlugin):
         run with an incident (what the other causes need is in the summary)."""
         try:
             if not run.summary.get("first_nonfinite"):
-                return causes.diagnose(reader.run_record(run, None, None, None))
+                return causes.diagnose(reader.run_record(run, None, None, None, self._logdir))
             series = source.series(run, self._series_cache)
-            record = reader.run_record(run, source.incident(run), series, source.flight(run))
+            incident = source.incident(run)
+            record = reader.run_record(run, incident, series, source.flight(run), self._logdir)
             return causes.diagnose(record)
         except Exception:  # noqa: BLE001 - one run's odd record must not hide the list
             logger.warning("nanwatch: no cause for run %r", run.name, exc_info=True)

@@ -8,15 +8,18 @@ ingestion sampling always keeps), see :mod:`tb_nanwatch.evidence.metadata`.
 Unreadable runs (bad plugin content, a newer format version, malformed JSON or
 arrays) are skipped with one ``logging.warning`` line per run and reason; the
 functions here return ``None`` or leave the run out, and never raise for bad
-data.
+data. What a run declares is checked against :mod:`tb_nanwatch.evidence.limits`
+before it is read: a tensor declaring more than ``MAX_TENSOR_BYTES`` is never
+expanded, JSON deeper than ``MAX_JSON_DEPTH`` never parsed, and a bundle path
+that leaves the run dir never used (:mod:`tb_nanwatch.evidence.run_dir_box`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
+import os
 import threading
 from collections.abc import Mapping
 
@@ -24,7 +27,8 @@ import numpy as np
 from tensorboard import errors
 from tensorboard.data import provider
 
-from tb_nanwatch.evidence import metadata
+from tb_nanwatch.board import tensor_limits
+from tb_nanwatch.evidence import limits, metadata, run_dir_box, trials
 from tb_nanwatch.evidence.recorded import Flight, Record, Series
 from tb_nanwatch.evidence.schema import Schema
 
@@ -79,9 +83,9 @@ skip_warnings = OncePerRunAndReason()
 logger.addFilter(skip_warnings)
 
 
-def _warn_once(run: str, reason: str) -> None:
+def _warn_once(run: str, reason: str, skipping: bool = True) -> None:
     logger.warning(
-        "nanwatch: skipping run %r: %s",
+        "nanwatch: skipping run %r: %s" if skipping else "nanwatch: run %r: %s",
         run,
         " ".join(reason.split("\n")),
         extra={"nanwatch_skip": (run, reason)},
@@ -146,9 +150,9 @@ def decode_json(value: np.ndarray | bytes | str) -> object:
     if not isinstance(value, str):
         raise UnreadableError(f"expected a string tensor, got {type(value).__name__}")
     try:
-        return json.loads(value)  # accepts NaN / Infinity tokens
-    except json.JSONDecodeError as error:
-        raise UnreadableError(f"malformed JSON: {error}") from None
+        return limits.loads_bounded(value, "the JSON")  # accepts NaN / Infinity tokens
+    except ValueError as error:
+        raise UnreadableError(str(error)) from None
 
 
 def decode_array(value: np.ndarray, ndim: int, width: int | None = None) -> np.ndarray:
@@ -193,9 +197,37 @@ def parse_summary(raw: object) -> tuple[dict, Schema]:
         for r in ranges
     ):
         raise UnreadableError("skipped_ranges malformed")
-    if sum(last - first + 1 for first, last in ranges) > steps:
+    skipped = sum(last - first + 1 for first, last in ranges)
+    if skipped > steps:
         raise UnreadableError("skipped_ranges hold more steps than the run")
+    if skipped > limits.MAX_SKIPPED_STEPS:
+        raise UnreadableError(
+            f"skipped_ranges list {skipped} steps, more than the limit of {limits.MAX_SKIPPED_STEPS}"
+        )
     return raw, schema
+
+
+def bundle_problem(summary: dict) -> str | None:
+    """Why the summary's ``repro_bundle`` cannot be used (it must be a path
+    relative to the run dir, inside it), or None when it can or is absent."""
+    bundle = summary.get("repro_bundle")
+    if bundle is None:
+        return None
+    try:
+        run_dir_box.relative_path(bundle, "repro_bundle")
+    except run_dir_box.RunDirError as error:
+        return f"{error}; the bundle is not used"
+    return None
+
+
+def local_bundle_file(logdir: str, run: str, summary: dict, name: str) -> str:
+    """The real path of the file ``name`` of a run's bundle under the local
+    ``logdir``; a ``RunDirError`` unless it resolves inside the run dir."""
+    run_dir = os.path.join(logdir, run)
+    if not run_dir_box.within(logdir, run_dir):
+        raise run_dir_box.RunDirError(f"run dir {run!r} is not inside the log dir")
+    bundle = run_dir_box.relative_path(summary.get("repro_bundle"), "repro_bundle")
+    return run_dir_box.inside(run_dir, f"{bundle}/{name}", "repro_bundle")
 
 
 def _is_step(value: object) -> bool:
@@ -247,9 +279,40 @@ def _read(
     data_provider: provider.DataProvider,
     ctx,
     experiment_id: str,
-    runs: list[str] | None,
-    tags: list[str] | None,
+    runs: list[str],
+    tags: list[str],
 ) -> dict[str, dict[str, list[provider.TensorDatum]]]:
+    """The tensors of ``runs`` x ``tags``, leaving out (one warning line)
+    every tag that declares more than ``limits.MAX_TENSOR_BYTES``: such a
+    tensor is never expanded (TensorBoard's ``make_ndarray`` would fill the
+    declared shape from one stored value)."""
+    if type(data_provider).__name__ == "GrpcDataProvider":
+        return tensor_limits.read_grpc(
+            data_provider, experiment_id, runs, tags, DOWNSAMPLE, _refuse_tag
+        )
+    refused = tensor_limits.refused_tags(data_provider, runs, tags)
+    for (run, tag), size in refused.items():
+        _refuse_tag(run, tag, size)
+    if not refused:
+        return _read_all(data_provider, ctx, experiment_id, runs, tags)
+    result = {}
+    for run in runs:
+        allowed = [tag for tag in tags if (run, tag) not in refused]
+        if allowed:
+            result.update(_read_all(data_provider, ctx, experiment_id, [run], allowed))
+    return result
+
+
+def _refuse_tag(run: str, tag: str, size: int) -> None:
+    _warn_once(
+        run,
+        f"tag {tag!r} declares {size / limits.MB:.0f} MB of values, more than the "
+        f"{limits.MAX_TENSOR_BYTES / limits.MB:g} MB limit; not read",
+        skipping=tag == metadata.TAG_RUN,
+    )
+
+
+def _read_all(data_provider, ctx, experiment_id: str, runs: list[str], tags: list[str]) -> dict:
     return data_provider.read_tensors(
         ctx,
         experiment_id=experiment_id,
@@ -345,6 +408,10 @@ def load_runs(
         except UnreadableError as error:
             _warn_once(name, f"run summary: {error}")
             continue
+        problem = bundle_problem(summary)
+        if problem is not None:
+            _warn_once(name, problem, skipping=False)  # shown; its bundle never opened
+            summary = {**summary, "repro_bundle": None, "repro_bundle_exact": None}
         result[name] = Run(listings[name], summary, schema)
     return result
 
@@ -541,9 +608,14 @@ class Source:
 
 
 def run_record(
-    run: Run, incident: dict | None, series: Series | None, flight: Flight | None
+    run: Run,
+    incident: dict | None,
+    series: Series | None,
+    flight: Flight | None,
+    logdir: str | None = None,
 ) -> Record:
-    """The record of a run as read (the plugin's incident route and the report)."""
+    """The record of a run as read (the plugin's incident route and the report);
+    with the local ``logdir``, the run dir's remedy trials too."""
     return Record(
         schema=run.schema,
         incident=incident,
@@ -551,4 +623,25 @@ def run_record(
         series=series,
         flight=flight,
         summary=run.summary,
+        trials=read_trials(logdir, run),
     )
+
+
+def read_trials(logdir: str | None, run: Run) -> tuple[trials.Trial, ...]:
+    """The remedy trials in the run dir's ``repro/trials.json`` under the local
+    ``logdir``: () when there is none, or it is over ``MAX_TRIALS_BYTES``, out
+    of the run dir or not of the documented shape (one warning line)."""
+    if not logdir or run_dir_box.is_remote(logdir):
+        return ()
+    run_dir = os.path.join(logdir, run.name)
+    try:
+        path = run_dir_box.inside(run_dir, trials.TRIALS_PATH, "the remedy trials file")
+        if not os.path.isfile(path) or not run_dir_box.within(logdir, run_dir):
+            return ()
+        data = limits.read_json_bounded(
+            path, "the remedy trials file", max_bytes=trials.MAX_TRIALS_BYTES
+        )
+    except (OSError, ValueError) as error:
+        _warn_once(run.name, f"remedy trials not read: {error}", skipping=False)
+        return ()
+    return trials.parse_trials(data)

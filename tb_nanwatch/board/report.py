@@ -17,7 +17,8 @@ import numpy as np
 from tensorboard import context
 
 from tb_nanwatch.board import logdir_walk, reader
-from tb_nanwatch.evidence import causes, diagnosis, vocabulary
+from tb_nanwatch.evidence import causes, diagnosis, limits, recoveries, run_dir_box, vocabulary
+from tb_nanwatch.evidence.printable import printable, printable_lines
 from tb_nanwatch.evidence.recorded import Record
 
 EXPERIMENT_ID = ""
@@ -77,8 +78,8 @@ class _TruncatedRecordWarner(logging.Handler):
             logger.warning(
                 "nanwatch: %s: stopped at a truncated or corrupt record (%s); "
                 "the rest of that file is not read",
-                path,
-                reason,
+                printable(path),
+                printable(reason),
             )
         elif record.levelno >= self.forward_level:
             logging.getLogger().handle(record)
@@ -98,7 +99,7 @@ def _reload_each_run(multiplexer) -> None:
             try:
                 multiplexer.GetAccumulator(run).Reload()
             except Exception as error:  # noqa: BLE001 - e.g. a DecodeError
-                message = f"{type(error).__name__}: {error}".replace("\n", " ")
+                message = printable(f"{type(error).__name__}: {error}".replace("\n", " "))
                 logger.warning(
                     "nanwatch: run %r: stopped reading at an unreadable event (%s)", run, message
                 )
@@ -116,6 +117,14 @@ def _reload_each_run(multiplexer) -> None:
 
 def _run_path(name: str) -> str:
     return name.replace(os.sep, "/") if os.sep != "/" else name
+
+
+def _run_title(name: str, logdir: str | None) -> str:
+    """The run's name as the text report shows it: a log dir that is itself the
+    run (TensorBoard names it ".") by the directory's own name."""
+    if name == os.curdir and logdir and not logdir_walk.is_remote(logdir):
+        return os.path.basename(os.path.abspath(logdir)) or _run_path(name)
+    return _run_path(name)
 
 
 def _first_nonfinite(incident: dict | None) -> dict | None:
@@ -162,6 +171,7 @@ def run_report(run: reader.Run, cause: dict | None = None) -> dict:
         "explosion": _explosion(run.summary.get("explosion")),
         "skipped_steps": run.skipped_steps(),
         "cause": json_safe(cause),
+        "recoveries": recoveries.recoveries(run.summary),
     }
 
 
@@ -176,37 +186,44 @@ def build_report(
     return {"runs": body}, runs
 
 
-def run_record(source: reader.Source, run: reader.Run) -> Record:
-    """What the hints and the cause read of one run."""
+def run_record(source: reader.Source, run: reader.Run, logdir: str | None = None) -> Record:
+    """What the hints and the cause read of one run (with the local ``logdir``,
+    its remedy trials too)."""
     incident = source.incident(run)
-    return reader.run_record(run, incident, source.series(run), source.flight(run))
+    return reader.run_record(run, incident, source.series(run), source.flight(run), logdir)
 
 
 def run_cause(source: reader.Source, run: reader.Run, logdir: str | None = None) -> dict | None:
     """The cause verdict of one run (see :mod:`tb_nanwatch.evidence.causes`)."""
     try:
-        record = run_record(source, run)
+        record = run_record(source, run, logdir)
         batch = None
         if logdir is not None and record.phase == "input":
             batch = _bundle_batch(logdir, run)
         return causes.diagnose(record, batch)
     except Exception as error:  # noqa: BLE001 - one run's odd record must not stop the report
-        logger.warning("nanwatch: run %r: no cause (%s: %s)", run.name, type(error).__name__, error)
+        logger.warning(
+            "nanwatch: run %r: no cause (%s: %s)", run.name, type(error).__name__, printable(error)
+        )
         return None
 
 
 def _bundle_batch(logdir: str, run: reader.Run) -> dict | None:
-    """The batch arrays of the run's reproduction bundle, when it is a local file."""
-    bundle = run.summary.get("repro_bundle")
-    if not isinstance(bundle, str) or "://" in logdir:
+    """The batch arrays of the run's reproduction bundle, when it is a local
+    file inside the run dir and declares no more than the bundle limit."""
+    if not isinstance(run.summary.get("repro_bundle"), str) or logdir_walk.is_remote(logdir):
         return None
-    path = os.path.join(logdir, run.name, bundle, "bundle.npz")
     try:
-        with np.load(path, allow_pickle=False) as arrays:
-            return {k: arrays[k] for k in arrays.files if k.startswith("batch/")}
+        path = reader.local_bundle_file(logdir, run.name, run.summary, "bundle.npz")
+        with open(path, "rb") as infile, np.load(infile, allow_pickle=False) as arrays:
+            names = [k for k in arrays.files if k.startswith("batch/")]
+            limits.check_npz(infile, names, limits.max_bundle_bytes(), "bundle.npz")
+            return {k: arrays[k] for k in names}
+    except (run_dir_box.RunDirError, limits.LimitError) as error:
+        logger.warning("nanwatch: run %r: bundle not read: %s", run.name, error)
     except (OSError, ValueError) as error:
         logger.info("nanwatch: bundle of run %r not read: %s", run.name, error)
-        return None
+    return None
 
 
 def load_runs(data_provider, ctx=None) -> dict[str, reader.Run]:
@@ -217,8 +234,9 @@ def load_runs(data_provider, ctx=None) -> dict[str, reader.Run]:
 def run_text(data_provider, run: reader.Run, logdir: str | None = None, ctx=None) -> str:
     """The human-readable block of one run: its cause first, then the record."""
     source = _source(data_provider, ctx)
-    record = run_record(source, run)
-    return format_run(run, causes.compute_hints(record), run_cause(source, run, logdir))
+    record = run_record(source, run, logdir)
+    cause = run_cause(source, run, logdir)
+    return format_run(run, causes.compute_hints(record), cause, logdir)
 
 
 def _source(data_provider, ctx) -> reader.Source:
@@ -234,13 +252,17 @@ def _number(value: object) -> str:
 
 
 def format_cause(cause: dict) -> list[str]:
-    """The lines of a cause: the sentence, the evidence, the ranked remedies."""
+    """The lines of a cause: the sentence, the evidence, the ranked remedies
+    (each with how its trial went, when it was tried)."""
     lines = [f"  cause ({cause['id']}): {cause['summary']}"]
     evidence = ", ".join(f"{k}={_number(v)}" for k, v in cause["evidence"].items())
     if evidence:
         lines.append(f"    evidence: {evidence}")
     for rank, remedy in enumerate(cause["remedies"], 1):
-        lines.append(f"    remedy {rank}: {remedy}")
+        lines.append(f"    remedy {rank}: {causes.remedy_text(remedy)}")
+        trial = remedy.get("trial") if isinstance(remedy, dict) else None
+        if isinstance(trial, dict) and trial.get("text"):
+            lines.append(f"      {trial['text']}")
     return lines
 
 
@@ -254,12 +276,17 @@ def _op_line(op: object) -> str | None:
 
 
 def format_run(
-    run: reader.Run, run_hints: list[dict] | None = None, cause: dict | None = None
+    run: reader.Run,
+    run_hints: list[dict] | None = None,
+    cause: dict | None = None,
+    logdir: str | None = None,
 ) -> str:
     """Human-readable lines for one run: the cause first, then the record."""
     summary = run.summary
     steps = int(summary["steps"])
-    lines = [f"run {_run_path(run.name)}: {steps} steps, {summary.get('status', '?')}"]
+    counted = f"{steps} step" if steps == 1 else f"{steps} steps"
+    title = _run_title(run.name, logdir)
+    lines = [f"run {title}: {counted}, {summary.get('status', '?')}"]
     if cause:
         lines += format_cause(cause)
     incident = summary.get("first_nonfinite")
@@ -286,6 +313,7 @@ def format_run(
     else:
         lines.append("  explosion onset: none")
     lines.append(f"  skipped steps: {run.skipped_count()}")
+    lines += recoveries.report_lines(summary)
     for hint in run_hints or []:
         lines.append(f"  hint: {hint['title']}: {hint['text']}")
-    return "\n".join(lines)
+    return printable_lines(lines)  # names come from the run dir: no control character

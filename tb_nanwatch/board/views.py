@@ -14,7 +14,7 @@ import posixpath
 import numpy as np
 
 from tb_nanwatch.board.reader import Run
-from tb_nanwatch.evidence import diagnosis
+from tb_nanwatch.evidence import diagnosis, recoveries
 from tb_nanwatch.evidence.recorded import Flight, Series
 from tb_nanwatch.evidence.schema import Entry, Schema
 
@@ -142,6 +142,9 @@ def timeline(
         "explosion": summary.get("explosion"),
         "skipped_ranges": summary.get("skipped_ranges", []),
         "recorded_steps": recorded_steps,
+        "recoveries": [
+            {**r, "label": recoveries.marker_label(r)} for r in recoveries.recoveries(summary)
+        ],
     }
 
 
@@ -193,7 +196,7 @@ class _LayerEntries:
     """The entries of one heatmap row (one layer)."""
 
     activations: list[Entry] = dataclasses.field(default_factory=list)
-    output_grads: list[Entry] = dataclasses.field(default_factory=list)
+    computed_grads: list[Entry] = dataclasses.field(default_factory=list)
     owned: list[Entry] = dataclasses.field(default_factory=list)
 
     def cells(self, schema: Schema, vector: np.ndarray) -> tuple[float | None, float | None, int]:
@@ -204,11 +207,22 @@ class _LayerEntries:
                 (max_abs(*_min_max(schema, vector, e)) for e in self.activations),
                 key=lambda v: math.inf if math.isnan(v) else v,
             )
-        grad = None
-        if self.output_grads:
-            grad = _py(schema.values(vector, self.output_grads[0])["norm"])
+        grad = self.gradient_norm(schema, vector) if self.computed_grads else None
         nonfinite = any(diagnosis.entry_nonfinite(vector, e) for e in self.owned)
         return forward, grad, 1 if nonfinite else 0
+
+    def gradient_norm(self, schema: Schema, vector: np.ndarray) -> float:
+        """The norm of what the layer's backward pass computed: the gradients
+        w.r.t. its input and its weights, as one vector. NaN when one has a
+        NaN, so the row of a backward origin is the one its NaN is seen in
+        (the gradient w.r.t. a layer's output is the next layer's doing)."""
+        norms = []
+        for entry in self.computed_grads:
+            values = schema.values(vector, entry)
+            if values["nan"] or math.isnan(values["norm"]):
+                return math.nan
+            norms.append(float(values["norm"]))
+        return _py(math.hypot(*norms))
 
 
 def _layer_entries(schema: Schema, layers: list[str]) -> dict[str, _LayerEntries]:
@@ -222,8 +236,8 @@ def _layer_entries(schema: Schema, layers: list[str]) -> dict[str, _LayerEntries
         row.owned.append(entry)
         if entry.kind in ("activation", "input"):  # an input has no gradient: null
             row.activations.append(entry)
-        elif entry.kind == "grad_out":
-            row.output_grads.append(entry)
+        elif entry.kind in ("grad_in", "grad_var"):
+            row.computed_grads.append(entry)
     return by_layer
 
 

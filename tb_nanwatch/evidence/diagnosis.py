@@ -9,9 +9,10 @@ the journal while training and by the readers (views, the cause engine, report).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -55,7 +56,8 @@ def find_origin(schema: Schema, vector: np.ndarray) -> dict | None:
     Entries are laid out input -> forward (execution order) -> loss ->
     backward (reverse execution order) -> update, so the first non-finite
     entry is the one whose predecessors are all finite.
-    Returns ``{"phase", "layer", "tensor", "kind"}`` or None if all finite.
+    Returns ``{"phase", "layer", "tensor", "kind"}`` (and ``"micro_batch"`` in a step
+    with gradient accumulation) or None if all finite.
     """
     index = schema.diagnosed_index()
     if not index.entries:
@@ -66,13 +68,55 @@ def find_origin(schema: Schema, vector: np.ndarray) -> dict | None:
     if not nonfinite.any():
         return None
     entry = index.entries[int(nonfinite.argmax())]
-    return {
+    origin = {
         "phase": entry.phase,
         # The loss belongs to no layer; the tensor text names the output.
         "layer": None if entry.phase == "loss" else entry.layer,
         "tensor": entry.tensor,
         "kind": nonfinite_kind(vector[entry.index("nan")], vector[entry.index("inf")]),
     }
+    if entry.micro_batch is not None:
+        origin["micro_batch"] = entry.micro_batch
+    return origin
+
+
+# -- steps a recovering watcher undoes ----------------------------------------
+
+
+def undone_entries(schema: Schema, whole_step: bool) -> list[Entry]:
+    """The entries whose NaN/Inf makes ``on_nonfinite="skip"``/``"rewind"``
+    undo a step: those before the update (input..backward), or, with
+    ``whole_step`` (``pre_step_weights="every_step"``: the weights are copied
+    before every step), the update's too. The compiled step applies the same
+    rule (``record/step_undo.py``), so the host knows which steps it undid."""
+    return [e for e in schema.diagnosed() if whole_step or e.phase != "update"]
+
+
+class UndoneSteps:
+    """The host's copy of the compiled step's undo rule: a step is undone when
+    one of :func:`undone_entries` holds a NaN/Inf and the loss scaler did not
+    skip the step (its skipped steps are its own, and never incidents)."""
+
+    def __init__(self, schema: Schema, whole_step: bool) -> None:
+        entries = undone_entries(schema, whole_step)
+        counts = schema.indices(entries, "nan") + schema.indices(entries, "inf")
+        self._counts = np.array(counts, np.intp)
+        index = schema.diagnosed_index()
+        self._all_counts = np.concatenate([index.nan, index.inf]).astype(np.intp)
+        self._skipped = schema.header_index("skipped")
+
+    def undone(self, vector: np.ndarray) -> bool:
+        """Whether the compiled step undid the step of ``vector``."""
+        return self.verdict(vector) == "undone"
+
+    def verdict(self, vector: np.ndarray) -> str | None:
+        """``"undone"``; ``"kept"`` for a non-finite step the compiled step
+        could not undo (an update-phase NaN/Inf without a copy of every step);
+        None for a finite step or one the loss scaler skipped."""
+        vector = np.asarray(vector)
+        if vector[self._skipped] > 0 or not np.count_nonzero(vector[self._all_counts]):
+            return None  # (a NaN count is non-zero)
+        return "undone" if np.count_nonzero(vector[self._counts]) else "kept"
 
 
 # -- the per-step verdict -----------------------------------------------------
@@ -164,6 +208,7 @@ class RunDiagnosis:
         self.incident: dict | None = None
         self._streak: tuple[StepPlace, np.ndarray] | None = None
         self._header = {f: schema.header_index(f) for f in schema.header().fields}
+        self._lr = LearningRateJumps()
         # What can make a step an incident: every count, and "skipped".
         index = schema.diagnosed_index()
         self._incident_fields = np.concatenate([index.nan, index.inf, [self._header["skipped"]]])
@@ -193,16 +238,28 @@ class RunDiagnosis:
         if self.incident is None:
             incident = self._incident_rule(place, vector, origin, skipped)
             self.incident = incident
+        self._lr.update(place.step, self.header(vector, "lr"))
         signals = self.signal_reader.step_signals(vector)
         explosion = self.explosion.update(place.step, self.signal_reader.values(vector, signals))
         if incident is not None and explosion is None:
             explosion = self.explosion.finish()
-        return Verdict(origin, skipped, incident, explosion, signals)
+        return Verdict(origin, skipped, incident, self._lr.annotate(explosion), signals)
 
     def finish(self) -> dict | None:
         """The run ended: the explosion onset if a signal is still above its
         line (see :meth:`ExplosionDetector.finish`), else None."""
-        return self.explosion.finish()
+        return self._lr.annotate(self.explosion.finish())
+
+    def rewound(self) -> None:
+        """The run went back to a rewind point (``on_nonfinite="rewind"``):
+        the steps from here on are judged afresh. The explosion detector and
+        the learning-rate jumps start over (the exploded values are no
+        reference for the rewound run, and a remedy's lower rate is no jump),
+        and a loss scaler's skip streak ends. The run's first incident stays."""
+        detector = self.explosion
+        self.explosion = ExplosionDetector(detector.signals, factor=detector.factor)
+        self._lr = LearningRateJumps()
+        self._streak = None
 
     def _incident_rule(
         self, place: StepPlace, vector: np.ndarray, origin: dict | None, skipped: bool
@@ -270,8 +327,10 @@ class ExplosionDetector:
        visible, not where it crossed the line.
 
     The first signal (earliest onset) to explode is reported, once per run:
-    ``{"step": onset, "signal": name, "factor": last value / reference}``,
-    plus ``"layer"`` for an activation signal.
+    ``{"step": onset, "signal": name, "factor": value / reference, "value":
+    the signal's last value, "reference": its reference level}``, plus
+    ``"layer"`` for an activation signal. ``factor`` is the one growth ratio
+    of the explosion: what the card and the cause text show.
     """
 
     def __init__(
@@ -309,6 +368,7 @@ class ExplosionDetector:
         self._above = np.zeros(size, np.int64)
         self._stretch = np.full(size, -1, np.int64)
         self._ratio = np.zeros(size)
+        self._value = np.zeros(size)
         # For _steady_update, once every signal's ring is full: the
         # reference's floor (fixed from then on), how many values of a ring
         # must lie below a level before its median can, and the ring's middle.
@@ -336,6 +396,7 @@ class ExplosionDetector:
         above = judged & (ratio > self.factor)
         self._above[judged] = np.where(above[judged], self._above[judged] + 1, 0)
         self._ratio[judged] = ratio[judged]
+        self._value[judged] = values[judged]
         self._push(values, finite)
         if self.onset is None and (self._above >= self.patience).any():
             return self._fire(self._above >= self.patience)
@@ -400,6 +461,7 @@ class ExplosionDetector:
         self._stretch = np.where(rising, np.where(self._stretch < 0, step, self._stretch), -1)
         self._above = np.where(ratio > self.factor, self._above + 1, 0)
         self._ratio = ratio
+        self._value = values
         ring[self._pos, self._columns] = values
         self._pos = (self._pos + 1) % ring.shape[0]
         exploded = self._above >= self.patience
@@ -418,7 +480,10 @@ class ExplosionDetector:
         onset = {"step": int(self._stretch[index]), "signal": name}
         if layer is not None:
             onset["layer"] = layer
-        onset["factor"] = float(self._ratio[index])
+        value, ratio = float(self._value[index]), float(self._ratio[index])
+        onset["factor"] = ratio
+        onset["value"] = value
+        onset["reference"] = value / ratio if ratio > 0 else None
         return onset
 
     def _fire(self, candidates: np.ndarray) -> dict:
@@ -430,6 +495,73 @@ class ExplosionDetector:
 
 # Signals whose reference level is never below 1 (see ExplosionDetector).
 UNIT_SIGNALS = frozenset({"logits", "activation"})
+
+# A learning rate that changes by this factor or more (up or down) from one
+# recorded step to the next has jumped.
+LR_JUMP_RATIO = 2.0
+# Steps before an explosion onset (and the onset itself) searched for a jump:
+# the explosion detector's default reference_steps.
+LR_LOOKBACK_STEPS = 25
+# Jumps a run keeps while training (a cyclic schedule jumps forever).
+LR_JUMPS_KEPT = 64
+
+
+def is_lr_jump(before: float, after: float) -> bool:
+    """Whether the learning rate going from ``before`` to ``after`` jumped:
+    both known (finite, positive) and apart by ``LR_JUMP_RATIO`` or more."""
+    if not (math.isfinite(before) and math.isfinite(after) and before > 0 and after > 0):
+        return False
+    return max(after / before, before / after) >= LR_JUMP_RATIO
+
+
+def lr_jumps(steps: Iterable[int], lrs: Iterable[float]) -> list[dict]:
+    """The jumps of a learning-rate series: ``{"step", "from", "to"}`` at each
+    step whose rate jumped from the last known one before it."""
+    found, last = [], math.nan
+    for step, lr in zip(steps, lrs, strict=True):
+        lr = float(lr)
+        if is_lr_jump(last, lr):
+            found.append({"step": int(step), "from": last, "to": lr})
+        if math.isfinite(lr) and lr > 0:
+            last = lr
+    return found
+
+
+def lr_change_before(
+    jumps: Iterable[dict], onset: int, lookback: int = LR_LOOKBACK_STEPS
+) -> dict | None:
+    """The largest learning-rate jump (by its ratio, up or down; the latest of
+    equal ones) at most ``lookback`` steps before ``onset`` or at it, else None."""
+    near = [j for j in jumps if onset - lookback <= j["step"] <= onset]
+    if not near:
+        return None
+    return dict(max(near, key=lambda j: (abs(math.log(j["to"] / j["from"])), j["step"])))
+
+
+class LearningRateJumps:
+    """The learning-rate jumps of a run, step by step, for its explosion verdict."""
+
+    def __init__(self) -> None:
+        self._last = math.nan
+        self._jumps: collections.deque[dict] = collections.deque(maxlen=LR_JUMPS_KEPT)
+
+    def update(self, step: int, lr: float) -> None:
+        """Feeds the rate of the next step."""
+        if lr == self._last:
+            return
+        if is_lr_jump(self._last, lr):
+            self._jumps.append({"step": int(step), "from": self._last, "to": lr})
+        if math.isfinite(lr) and lr > 0:
+            self._last = lr
+
+    def annotate(self, explosion: dict | None) -> dict | None:
+        """``explosion`` with ``"lr_change": {"step", "from", "to"}`` when the
+        rate jumped in the steps before its onset (see :func:`lr_change_before`)."""
+        if explosion is not None:
+            change = lr_change_before(self._jumps, int(explosion["step"]))
+            if change is not None:
+                explosion["lr_change"] = change
+        return explosion
 
 
 class SignalReader:

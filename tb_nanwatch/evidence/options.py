@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
-ON_NONFINITE = ("stop", "raise", "continue")
+ON_NONFINITE = ("stop", "raise", "continue", "skip", "rewind")
+# The modes that undo a non-finite step inside the compiled step (see record/recovery.py).
+RECOVERING = ("skip", "rewind")
 # Which weights the reproduction bundle holds (see NanWatch's docstring).
 PRE_STEP_WEIGHTS = ("every_step", "on_suspect", "off")
 # The largest flight-recorder window: the journal keeps ``window`` full stats
@@ -88,6 +90,8 @@ class WatchOptions:
     rewind_memory_mb: float = 256.0
     remedy_trials: bool = True
     trial_budget_s: float = 120.0
+    max_skips: int = 10
+    max_rewinds: int = 3
 
     def __post_init__(self) -> None:
         checked = {
@@ -109,9 +113,21 @@ class WatchOptions:
             "trial_budget_s": finite_number(
                 "trial_budget_s", self.trial_budget_s, 0.0, low_inclusive=False
             ),
+            "max_skips": positive_int("max_skips", self.max_skips, allow_zero=True),
+            "max_rewinds": positive_int("max_rewinds", self.max_rewinds, allow_zero=True),
         }
+        if self.on_nonfinite in RECOVERING and self.pre_step_weights == "off":
+            raise ValueError(
+                f"on_nonfinite={self.on_nonfinite!r} needs the weights from before a step: "
+                "pre_step_weights must be 'on_suspect' or 'every_step', got 'off'"
+            )
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # frozen: normalised once, here
+
+    @property
+    def recovers(self) -> bool:
+        """Whether a non-finite step is undone in the compiled step ("skip", "rewind")."""
+        return self.on_nonfinite in RECOVERING
 
     @classmethod
     def from_arguments(cls, arguments: dict[str, Any]) -> WatchOptions:

@@ -2,7 +2,8 @@
 
 :class:`Series` (one row a step), :class:`Flight` (the full statistics vectors
 of the last steps) and :class:`Record` (all of a run's evidence) are built by
-the journal while it writes and by the board's reader from the event files;
+the journal while it writes and by the board's reader from the event files
+(and the run dir's remedy trials);
 the rules in :mod:`tb_nanwatch.evidence.causes` read nothing else.
 """
 
@@ -13,6 +14,7 @@ import dataclasses
 import numpy as np
 
 from tb_nanwatch.evidence.schema import Schema
+from tb_nanwatch.evidence.trials import Trial
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,9 @@ class Record:
     series: Series | None = None
     flight: Flight | None = None
     summary: dict = dataclasses.field(default_factory=dict)
+    # The remedy trials run after training stopped (``repro/trials.json``);
+    # () when none were run or read (the journal judges before any trial).
+    trials: tuple[Trial, ...] = ()
 
     @property
     def step(self) -> int | None:

@@ -4,8 +4,10 @@ Each :class:`Remedy` has an id (the tab's vocabulary, :data:`REMEDY_LABELS`),
 a short label, a text (a function of the :class:`Facts` of the verdict, so it
 can quote the numbers of the run: the learning rate at the step, the variable
 that was non-finite) and a test of when it applies, read from recorded facts
-(the run summary's ``loss_from_logits``, ``dtype_policy``, ``optimizer``; the
-verdict's evidence). A remedy that does not apply is never offered.
+(the run summary's ``loss_from_logits``, ``dtype_policy``, ``optimizer``,
+``optimizer_settings``, ``has_attention``; the incident's op; the scale of each
+model input and target; the verdict's evidence). A remedy that does not apply
+is never offered.
 
 The cause engine (:mod:`tb_nanwatch.evidence.causes`) names remedies by id in
 its rule table, ranked, each with the condition under which that cause offers
@@ -21,14 +23,48 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
-# Optimizers without an epsilon in their update (type names as recorded).
+# Optimizers without an epsilon in their update (type names as recorded), for
+# runs that did not record the optimizer's settings.
 NO_EPSILON = frozenset({"SGD", "Lion"})
+# The gradient norm clip_gradients proposes; an optimizer already clipping at
+# or below it is not told to clip.
+CLIP_NORM = 1.0
+# A model input or target whose largest |x| reaches this is far from unit scale.
+FAR_FROM_UNIT = 50.0
+# Layer class or path words that make a model one with attention (or a masked
+# softmax): only then is masking advice given.
+ATTENTION_WORDS = ("attention", "attend", "mask", "softmax")
 RESCALE_FLOAT64 = "Rescale float64 data before casting to float32: values beyond 3.4e38 become Inf."
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
     """A number as the texts quote it (``digits`` significant digits; ``?`` unknown)."""
     return "?" if value is None else f"{value:.{digits}g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataScale:
+    """The recorded range of one model input or target (over the recorded
+    steps up to the incident)."""
+
+    name: str  # the entry's name: the input's, "target" or "target/<output>"
+    words: str  # how the texts name it ("the model input", "model input 'price'")
+    low: float
+    high: float
+    target: bool
+
+    @property
+    def max_abs(self) -> float:
+        return max(abs(self.low), abs(self.high))
+
+    @property
+    def far(self) -> bool:
+        """Far from unit scale (see :data:`FAR_FROM_UNIT`)."""
+        return self.max_abs >= FAR_FROM_UNIT
+
+    def text(self) -> str:
+        """e.g. ``the model input ranges 510 to 1.92e+04``."""
+        return f"{self.words} ranges {fmt(self.low)} to {fmt(self.high)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +76,57 @@ class Facts:
     summary: Mapping  # the run summary
     mixed_precision: bool = False  # a float16 policy, or a loss scale recorded
     outputs_probabilities: bool = False  # a model output ends in sigmoid/softmax
+    incident: Mapping = dataclasses.field(default_factory=dict)  # {} without one
+    scales: tuple[DataScale, ...] = ()  # each model input's and target's range
+    layers: tuple[str, ...] = ()  # the recorded layer paths
+
+    @property
+    def reads_probabilities(self) -> bool:
+        """The loss reads probabilities: a sigmoid/softmax output, or a
+        cross-entropy recorded as reading probabilities (never a from-logits loss)."""
+        if self.loss_from_logits is True:
+            return False
+        return self.outputs_probabilities or self.loss_from_logits is False
+
+    def far(self, target: bool) -> list[DataScale]:
+        """The model inputs (or the targets) far from unit scale, largest first."""
+        found = [s for s in self.scales if s.target == target and s.far]
+        return sorted(found, key=lambda s: -s.max_abs)
+
+    @property
+    def op(self) -> str | None:
+        """The op the replay named for the incident (``Square
+        (compile_loss/mse/Square)``), None when none is named."""
+        op = self.incident.get("op")
+        if not isinstance(op, dict):
+            return None
+        kind, name = op.get("type"), op.get("name")
+        kind = kind if isinstance(kind, str) and kind else None
+        name = name if isinstance(name, str) and name else None
+        if not (kind or name):
+            return None
+        source = op.get("source")
+        at = f" at {source}" if isinstance(source, str) and source else ""
+        return f"{kind or 'op'}" + (f" ({name})" if name else "") + at
+
+    @property
+    def has_attention(self) -> bool:
+        """An attention layer (or a layer named for a mask or a softmax)."""
+        if self.summary.get("has_attention") is True:
+            return True
+        classes = self.summary.get("layer_classes")
+        names = [*self.layers, *(classes if isinstance(classes, list) else [])]
+        return any(w in str(n).lower() for n in names for w in ATTENTION_WORDS)
+
+    def setting(self, name: str) -> float | None | bool:
+        """An optimizer setting as recorded (``optimizer_settings``): a number,
+        None (the optimizer has none), or False (not recorded)."""
+        settings = self.summary.get("optimizer_settings")
+        if not isinstance(settings, dict) or name not in settings:
+            return False
+        value = settings[name]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return float(value) if number and math.isfinite(value) else None
 
     @property
     def loss_from_logits(self) -> bool | None:
@@ -51,6 +138,22 @@ class Facts:
     def optimizer(self) -> str | None:
         value = self.summary.get("optimizer")
         return value if isinstance(value, str) else None
+
+    @property
+    def clip_norm(self) -> float | None:
+        """The norm the optimizer already clips at (clipnorm or
+        global_clipnorm, the smaller), None when it does not or not recorded."""
+        norms = [self.setting(n) for n in ("clipnorm", "global_clipnorm")]
+        norms = [n for n in norms if isinstance(n, float) and n > 0]
+        return min(norms) if norms else None
+
+    @property
+    def has_epsilon(self) -> bool:
+        """The optimizer has an epsilon (recorded; else judged by its type name)."""
+        epsilon = self.setting("epsilon")
+        if epsilon is False:
+            return self.optimizer not in NO_EPSILON
+        return epsilon is not None
 
     def number(self, name: str) -> float | None:
         """An evidence item that is a finite number, else None."""
@@ -93,18 +196,45 @@ def _fix_schedule(f: Facts) -> str:
 def _normalize_inputs(f: Facts) -> str:
     if f.cause == "input_data":
         return RESCALE_FLOAT64
+    far = f.far(target=False)
+    seen = "; ".join(scale.text() for scale in far[:3])
     if f.mixed_precision:
         return (
-            "Normalise inputs and activations (or lower the learning rate) so values stay well "
-            "below 65504."
+            f"Normalise the inputs ({seen}) so that values stay well below float16's 65504."
+            if far
+            else "Normalise inputs and activations so values stay well below 65504."
         )
-    return "Check that the inputs are normalised (e.g. zero mean, unit variance)."
+    return (
+        f"Normalise the inputs: {seen}. Put a keras.layers.Normalization first in the model "
+        "and adapt it on the training data (norm = keras.layers.Normalization(); "
+        "norm.adapt(x_train)), so each feature has mean 0 and variance 1."
+    )
 
 
 def _scale_targets(f: Facts) -> str:
     if f.cause == "input_data":
         return RESCALE_FLOAT64
-    return "Check that the targets are scaled (e.g. standardise regression targets)."
+    far = f.far(target=True)
+    seen = "; ".join(scale.text() for scale in far[:3]) or "the targets are large"
+    return (
+        f"Standardise the targets: {seen}. Train on (y - y.mean()) / y.std() and map the "
+        "predictions back (y_pred * std + mean), so the loss starts near 1."
+    )
+
+
+def _clip_gradients(f: Facts) -> str:
+    clip = f.clip_norm
+    if clip is not None:
+        return f"Clip gradients harder: the optimizer clips at {fmt(clip)}; try {CLIP_NORM!r}."
+    return (
+        f"Clip gradients: clipnorm={CLIP_NORM!r} or global_clipnorm={CLIP_NORM!r} in the optimizer."
+    )
+
+
+def _raise_epsilon(f: Facts) -> str:
+    epsilon = f.setting("epsilon")
+    now = f" (it is {fmt(epsilon)})" if isinstance(epsilon, float) else ""
+    return f"Raise the optimizer's epsilon{now} (Adam/RMSprop: 1e-7 -> 1e-4; never 0)."
 
 
 def _drop_bad_rows(f: Facts) -> str:
@@ -129,6 +259,21 @@ def _fix_weights(f: Facts) -> str:
 
 
 _REPLAY = "tf.debugging.enable_check_numerics() to name the op"
+_SAFE_OPS = (
+    "add an epsilon (log(x + 1e-7), x / (y + 1e-7)), clamp (tf.maximum(x, 0.)) or use "
+    "safe ops (tf.math.divide_no_nan, tf.math.xlogy, tf.nn.log_softmax)"
+)
+_MASK = (
+    "mask attention with a large finite negative (-1e9), not -inf (an all-masked row gives "
+    "a softmax of 0/0)"
+)
+
+
+def _named_op(f: Facts) -> str:
+    """Where the op is: the replay's name for it, or how to find it."""
+    if f.op is not None:
+        return f"the replay named the op: {f.op}"
+    return f"replay the step eagerly under {_REPLAY}"
 
 
 def _fix_code(f: Facts) -> str:
@@ -136,27 +281,36 @@ def _fix_code(f: Facts) -> str:
     if f.cause == "nonfinite_weights":
         return "If no weights were loaded, check the variable's initializer."
     if f.cause == "forward_math":
+        mask = f"; {_MASK}" if f.has_attention else ""
         return (
             f"Look in {layer} for log or sqrt of a negative or zero, 0/0 or a division by ~0: "
-            "add an epsilon (log(x + 1e-7), x / (y + 1e-7)), clamp (tf.maximum(x, 0.)) or use "
-            "safe ops (tf.math.divide_no_nan, tf.math.xlogy, tf.nn.log_softmax); mask attention "
-            "with a large finite negative (-1e9), not -inf (an all-masked row gives a softmax "
-            f"of 0/0); replay the step eagerly under {_REPLAY}."
+            f"{_SAFE_OPS}{mask}; {_named_op(f)}."
         )
     if f.cause == "backward_math":
         return (
             f"Add an epsilon inside sqrt/log/pow in {layer} (sqrt(x + 1e-12)) or clip its "
             "input away from 0; check any tf.custom_gradient in the layer."
         )
-    if f.cause == "loss_math":
+    if f.cause == "loss_math" and f.loss_from_logits is True:
         return (
             "Check the loss function: it reads logits and still broke on finite predictions "
             "(a hand-written term with log, sqrt or a division at 0, or targets out of range)."
         )
+    if f.cause == "loss_math":
+        return (
+            "Check the loss function: the predictions were finite and the loss was not (a "
+            "hand-written log, sqrt or division at 0, a square of a value beyond 1.8e19, or "
+            f"targets out of range); {_named_op(f)}."
+        )
     return (
         "Open the step table of the incident and the steps before it (look for values that "
-        "grew or sat at a limit), then replay the step from the reproduction bundle eagerly "
-        f"under {_REPLAY}."
+        "grew or sat at a limit); "
+        + (
+            _named_op(f)
+            if f.op is not None
+            else f"replay the step from the reproduction bundle eagerly under {_REPLAY}"
+        )
+        + "."
     )
 
 
@@ -184,19 +338,21 @@ CATALOGUE: dict[str, Remedy] = {
         Remedy(
             "clip_gradients",
             "Clip gradients",
-            _text("Clip gradients: clipnorm=1.0 or global_clipnorm=1.0 in the optimizer."),
+            _clip_gradients,
+            # An optimizer that already clips at this norm gains nothing from it.
+            applies=lambda f: f.clip_norm is None or f.clip_norm > CLIP_NORM,
         ),
         Remedy(
             "raise_epsilon",
             "Raise the optimizer's epsilon",
-            _text("Raise the optimizer's epsilon (Adam/RMSprop: 1e-7 -> 1e-4; never 0)."),
-            applies=lambda f: f.optimizer not in NO_EPSILON,
+            _raise_epsilon,
+            applies=lambda f: f.has_epsilon,
         ),
         Remedy(
             "from_logits",
             "Compute the loss from logits",
             _text("Compute the loss from logits (from_logits=True, no final activation)."),
-            applies=lambda f: f.loss_from_logits is not True,
+            applies=lambda f: f.reads_probabilities,
         ),
         Remedy(
             "clip_predictions",
@@ -205,7 +361,7 @@ CATALOGUE: dict[str, Remedy] = {
                 "In a hand-written cross-entropy, clip the predictions to [1e-7, 1 - 1e-7] "
                 "before the log (rather than log(p + eps))."
             ),
-            applies=lambda f: f.loss_from_logits is not True,
+            applies=lambda f: f.reads_probabilities,
         ),
         Remedy(
             "float32_policy",
@@ -217,13 +373,21 @@ CATALOGUE: dict[str, Remedy] = {
             ),
             applies=lambda f: f.mixed_precision,
         ),
-        Remedy("normalize_inputs", "Normalise the inputs", _normalize_inputs),
+        Remedy(
+            "normalize_inputs",
+            "Normalise the inputs",
+            _normalize_inputs,
+            # Only on scale evidence: an Inf in the data, or an input far from unit scale.
+            applies=lambda f: f.cause == "input_data" or bool(f.far(target=False)),
+        ),
         Remedy(
             "scale_targets",
             "Scale the targets",
             _scale_targets,
             # A loss that reads logits or probabilities takes labels, not values to scale.
-            applies=lambda f: f.loss_from_logits is None,
+            applies=lambda f: (
+                f.loss_from_logits is None and (f.cause == "input_data" or bool(f.far(target=True)))
+            ),
         ),
         Remedy("drop_bad_rows", "Find and drop the bad rows", _drop_bad_rows),
         Remedy(

@@ -51,6 +51,9 @@ class Entry:
     layer: str | None  # layer path, input name, or None
     tensor: str  # human description, e.g. "output of backbone/conv1"
     offset: int
+    # Which micro-batch of a step with gradient accumulation (None: the step
+    # has one forward/backward pass).
+    micro_batch: int | None = None
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -73,7 +76,10 @@ class Entry:
             raise KeyError(f"a {self.kind!r} entry has no field {field!r}") from None
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if data["micro_batch"] is None:
+            del data["micro_batch"]  # the layout of a step without accumulation is unchanged
+        return data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +101,10 @@ class Schema:
         # (layout it was built for, diagnosed_index()): see diagnosed_index.
         self._diagnosed_index: tuple[tuple[int, int], DiagnosedIndex] | None = None
 
-    def add(self, phase: str, kind: str, layer: str | None, tensor: str) -> Entry:
-        entry = Entry(phase, kind, layer, tensor, self.size)
+    def add(
+        self, phase: str, kind: str, layer: str | None, tensor: str, micro_batch: int | None = None
+    ) -> Entry:
+        entry = Entry(phase, kind, layer, tensor, self.size, micro_batch)
         self.entries.append(entry)
         self.size += entry.size
         return entry
@@ -148,6 +156,7 @@ class Schema:
                 layer=raw.get("layer"),
                 tensor=str(raw["tensor"]),
                 offset=int(raw["offset"]),
+                micro_batch=None if raw.get("micro_batch") is None else int(raw["micro_batch"]),
             )
             if entry.kind not in FIELDS or entry.offset != schema.size:
                 raise ValueError(f"malformed schema entry {raw!r}")

@@ -13,10 +13,18 @@ Pure Python, no TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable, Sequence
 
 TRIALS_FILE = "trials.json"  # in the run dir's repro/ folder
+TRIALS_PATH = f"repro/{TRIALS_FILE}"  # relative to the run dir
 TRIALS_VERSION = 1
 OUTCOMES = ("fixed", "not_fixed", "not_tried")
+# How each outcome reads on the card, in ``report`` and on the console (the
+# tab's vocabulary serves them).
+OUTCOME_WORDS = {"fixed": "Tried", "not_fixed": "Tried, did not help", "not_tried": "Not tried"}
+# A trials file larger than this is not read.
+MAX_TRIALS_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,3 +82,93 @@ def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)  # NaN and Inf kept: a loss that went non-finite is the data
+
+
+# -- reading a trials file ---------------------------------------------------------
+
+
+def parse_trials(data: object) -> tuple[Trial, ...]:
+    """The trials of a ``trials.json`` body (``{"version", "step", "cause",
+    "trials": [...]}``); () when it is not one. A malformed entry is left out;
+    a remedy tried twice keeps its first trial."""
+    if not isinstance(data, dict) or data.get("version") != TRIALS_VERSION:
+        return ()
+    entries = data.get("trials")
+    if not isinstance(entries, list):
+        return ()
+    found: dict[str, Trial] = {}
+    for entry in entries:
+        trial = Trial.from_json(entry)
+        if trial is not None and trial.remedy not in found:
+            found[trial.remedy] = trial
+    return tuple(found.values())
+
+
+# -- ranking -------------------------------------------------------------------------
+
+
+def _rank_key(trial: Trial | None) -> int:
+    """0: fixed and learning; 1: fixed, learning not known; 2: fixed by stopping
+    learning; 3: not tried; 4: tried and did not help."""
+    if trial is None or trial.outcome == "not_tried":
+        return 3
+    if trial.outcome == "not_fixed":
+        return 4
+    return {True: 0, None: 1, False: 2}[trial.learning]
+
+
+def rank(remedy_ids: Sequence[str], trials: Iterable[Trial]) -> list[str]:
+    """``remedy_ids`` ordered by their trials: the fixes that keep learning
+    first, then the other fixes, then the remedies not tried, and those tried
+    that did not help last; the given order within each group."""
+    by_id = by_remedy(trials)
+    order = sorted(range(len(remedy_ids)), key=lambda i: (_rank_key(by_id.get(remedy_ids[i])), i))
+    return [remedy_ids[i] for i in order]
+
+
+def by_remedy(trials: Iterable[Trial]) -> dict[str, Trial]:
+    """The trials by remedy id (a remedy tried twice: its first trial)."""
+    found: dict[str, Trial] = {}
+    for trial in trials:
+        found.setdefault(trial.remedy, trial)
+    return found
+
+
+# -- the words ---------------------------------------------------------------------
+
+
+def loss_text(value: float | None) -> str:
+    """A loss as the trial texts quote it: ``1.0e4``, ``7.7e-3``, ``NaN``, ``Inf``."""
+    if value is None:
+        return "?"
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Inf" if value > 0 else "-Inf"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def trial_text(trial: Trial) -> str:
+    """One line on a remedy's trial, e.g. ``Tried: clipnorm=1.0 kept 40 steps
+    finite, loss 1.0e4 -> 7.7e3``; ``Tried, did not help: ...``; ``Not tried: why``."""
+    setting = trial.setting or trial.remedy
+    if trial.outcome == "not_tried":
+        return f"{OUTCOME_WORDS['not_tried']}: {trial.why or 'no reason recorded'}"
+    loss = ""
+    if trial.loss_first is not None and trial.loss_last is not None:
+        loss = f", loss {loss_text(trial.loss_first)} -> {loss_text(trial.loss_last)}"
+    if trial.outcome == "fixed":
+        flat = " (but the loss stopped going down)" if trial.learning is False else ""
+        return f"{OUTCOME_WORDS['fixed']}: {setting} kept {trial.steps} steps finite{loss}{flat}"
+    why = f" ({trial.why})" if trial.why else ""
+    return f"{OUTCOME_WORDS['not_fixed']}: {setting} over {trial.steps} steps{why}{loss}"
+
+
+def trial_json(trial: Trial) -> dict:
+    """A remedy's ``trial`` object in a cause (``report --json``, the card):
+    the trial's fields without ``remedy``, and its ``text``."""
+    body = trial.to_json()
+    del body["remedy"]
+    body["text"] = trial_text(trial)
+    return body

@@ -6,6 +6,7 @@ and renders what it is given. Each list comes from the module that owns it::
 
     {"causes": {id: label},            # causes.CAUSE_LABELS, in the tab's order
      "remedies": {id: label},          # remedies.REMEDY_LABELS
+     "trial_outcomes": {outcome: words}, # trials.OUTCOME_WORDS ("Tried", ...)
      "phases": {phase: label},         # schema.PHASES, in diagnosis order
      "incident_kinds": {kind: label},  # diagnosis.KIND_TEXT
      "text_keys": [key, ...],          # TEXT_KEYS below
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 
-from tb_nanwatch.evidence import causes, diagnosis, remedies, schema
+from tb_nanwatch.evidence import causes, diagnosis, remedies, schema, trials
 
 # Keys of the routes' JSON whose values (and everything below them) are text,
 # never numbers: a layer or run may well be named "NaN", so the frontend turns
@@ -67,6 +68,7 @@ def vocabulary() -> dict:
     return {
         "causes": dict(causes.CAUSE_LABELS),
         "remedies": dict(remedies.REMEDY_LABELS),
+        "trial_outcomes": dict(trials.OUTCOME_WORDS),
         "phases": dict(PHASE_LABELS),
         "incident_kinds": dict(diagnosis.KIND_TEXT),
         "text_keys": list(TEXT_KEYS),

@@ -26,8 +26,13 @@ from typing import Any
 
 import numpy as np
 
-BUNDLE_DIR = "repro"
+from tb_nanwatch.record import bundle_files
+from tb_nanwatch.record.bundle_files import BUNDLE_DIR
+
 MODEL_FILE = "model.keras"
+# Beside a rewind point without a bundle (an explosion): what bundle.json says of the model.
+MODEL_META = "model.json"
+REWIND_DIR = "repro/rewind"
 REPLAY_FILE = "replay.json"
 
 
@@ -37,7 +42,8 @@ def _gfile():
     return tf.io.gfile
 
 
-def _rebuild(structure: Any, flat: list[np.ndarray]) -> Any:
+def rebuild_batch(structure: Any, flat: list[np.ndarray]) -> Any:
+    """The nested batch from its flat arrays and ``structure`` (tuples as lists)."""
     items = iter(flat)
 
     def build(node):
@@ -61,6 +67,16 @@ def _jsonable_structure(structure: Any) -> Any:
     return None if structure is None else 0
 
 
+def _loadable(array: np.ndarray) -> np.ndarray:
+    """``array`` as a reader loads it without pickles: a string tensor's object
+    array of bytes as a fixed-width bytes array (TensorFlow reads it back as
+    ``tf.string``); other object arrays as they are (the loader refuses them)."""
+    array = np.asarray(array)
+    if array.dtype == object and all(isinstance(v, bytes) for v in array.flat):
+        return array.astype(np.bytes_)
+    return array
+
+
 def save_bundle(
     run_dir: str,
     step: int,
@@ -69,27 +85,34 @@ def save_bundle(
     batch_structure: Any,
     info: dict,
 ) -> str:
-    """Writes a bundle; returns its path relative to ``run_dir``."""
-    gfile = _gfile()
+    """Writes a bundle; returns its path relative to ``run_dir``.
+
+    ``info`` goes into ``bundle.json``, except ``info["optimizer"]`` (when
+    given): the optimizer's variables before the step by path (slots and
+    iterations), written as the arrays ``optimizer/<path>`` and listed in
+    ``bundle.json``'s ``"optimizer_variables"``.
+    """
+    info = dict(info)
+    optimizer: dict[str, np.ndarray] = info.pop("optimizer", None) or {}
     relative = posixpath.join(BUNDLE_DIR, f"step_{step:09d}")
     directory = posixpath.join(run_dir, relative)
-    gfile.makedirs(directory)
-    arrays: dict[str, np.ndarray] = {f"batch/{i}": a for i, a in enumerate(batch) if a is not None}
+    arrays = {f"batch/{i}": _loadable(a) for i, a in enumerate(batch) if a is not None}
     arrays.update({f"weights/{name}": a for name, a in weights.items()})
+    arrays.update({f"optimizer/{name}": np.asarray(a) for name, a in optimizer.items()})
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    with gfile.GFile(posixpath.join(directory, "bundle.npz"), "wb") as f:
-        f.write(buffer.getvalue())
+    bundle_files.write_member(directory, "bundle.npz", buffer.getvalue())
     meta = {
         "step": step,
         "batch_structure": _jsonable_structure(batch_structure),
         "batch_size": len(batch),
         "batch_not_kept": [i for i, a in enumerate(batch) if a is None],
         "weights": list(weights),
+        "optimizer_variables": list(optimizer),
         **info,
     }
-    with gfile.GFile(posixpath.join(directory, "bundle.json"), "w") as f:
-        f.write(json.dumps(meta, indent=1, allow_nan=True))
+    text = json.dumps(meta, indent=1, allow_nan=True)
+    bundle_files.write_member(directory, "bundle.json", text.encode("utf-8"))
     return relative
 
 
@@ -102,6 +125,8 @@ class ReproBundle:
     weights: dict[str, np.ndarray]  # by Keras variable path
     info: dict
     directory: str = ""  # where it was loaded from
+    # The optimizer's variables before the step, by path ({} when not recorded).
+    optimizer: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def x(self) -> Any:
@@ -118,64 +143,96 @@ class ReproBundle:
                 "this bundle holds no weights (recorded with pre_step_weights='off', or "
                 "'on_suspect' for an update-phase incident)"
             )
-        by_path = {v.path: v for v in model.trainable_weights}
-        missing = [p for p in self.weights if p not in by_path]
-        if missing:
-            raise ValueError(f"model has no variables named {missing[:3]}")
-        for path, value in self.weights.items():
-            by_path[path].assign(value)
+        variables = model.trainable_weights
+        for variable, value in match_arrays(self.weights, [v.path for v in variables], variables):
+            variable.assign(value)
 
 
-def _find_bundle_dir(path: str) -> str:
-    gfile = _gfile()
-    if gfile.exists(posixpath.join(path, "bundle.json")):
-        return path
-    candidates = sorted(gfile.glob(posixpath.join(path, BUNDLE_DIR, "step_*")))
-    if not candidates:
-        raise FileNotFoundError(f"no reproduction bundle under {path!r}")
-    return candidates[0]
+def match_arrays(
+    recorded: dict[str, np.ndarray], paths: list[str], variables: list
+) -> list[tuple[Any, np.ndarray]]:
+    """Pairs each recorded array with its variable among ``variables``.
+
+    ``paths`` names ``variables`` as the recording model named them (the same
+    order). By path when every recorded path is there; else by position when
+    the recorded arrays are as many as the variables and their shapes agree
+    in order: a model rebuilt in another process (or a clone) names its
+    variables differently (``dense/kernel`` for ``sequential/dense_1/kernel``).
+    A ValueError says what did not fit.
+    """
+    index = {path: i for i, path in enumerate(paths)}
+    if len(paths) == len(variables) and all(p in index for p in recorded):
+        pairs = [(variables[index[p]], value) for p, value in recorded.items()]
+    elif len(recorded) == len(variables):
+        pairs = list(zip(variables, recorded.values(), strict=True))
+    else:
+        missing = [p for p in recorded if p not in index][:3]
+        raise ValueError(
+            f"model has no variables named {missing} and {len(variables)} variables "
+            f"for the {len(recorded)} recorded"
+        )
+    for variable, value in pairs:
+        if tuple(variable.shape) != tuple(np.shape(value)):
+            raise ValueError(
+                f"the model's variable {variable.path} has shape {tuple(variable.shape)}, "
+                f"the recorded one {tuple(np.shape(value))}"
+            )
+    return pairs
 
 
 def load_bundle(path: str) -> ReproBundle:
-    """Loads the (first) bundle of a run dir, or the bundle dir itself."""
-    gfile = _gfile()
-    directory = _find_bundle_dir(path)
-    with gfile.GFile(posixpath.join(directory, "bundle.json"), "r") as f:
-        meta = json.loads(f.read())
-    with gfile.GFile(posixpath.join(directory, "bundle.npz"), "rb") as f:
-        arrays = np.load(io.BytesIO(f.read()))
-        batch = [arrays.get(f"batch/{i}") for i in range(meta["batch_size"])]
-        weights = {name: arrays[f"weights/{name}"] for name in meta["weights"]}
+    """Loads the (first) bundle of a run dir, or the bundle dir itself.
+
+    Its files are read only inside the run dir and within the limits of
+    :mod:`tb_nanwatch.evidence.limits` (see :mod:`~tb_nanwatch.record.bundle_files`);
+    a problem is one line: a ValueError or FileNotFoundError.
+    """
+    directory = bundle_files.find_bundle_dir(path)
+    meta = bundle_files.read_meta(directory)
+    names = meta.get("optimizer_variables") or []
+    arrays = bundle_files.read_arrays(
+        directory,
+        [f"weights/{name}" for name in meta.get("weights") or []]
+        + [f"optimizer/{name}" for name in names],
+        [f"batch/{i}" for i in range(meta["batch_size"])],
+    )
+    batch = [arrays.get(f"batch/{i}") for i in range(meta["batch_size"])]
+    weights = {name: arrays[f"weights/{name}"] for name in meta.get("weights") or []}
+    optimizer = {name: arrays[f"optimizer/{name}"] for name in names}
     structure = meta.pop("batch_structure")
     return ReproBundle(
         step=int(meta["step"]),
-        batch=_rebuild(structure, batch),
+        batch=rebuild_batch(structure, batch),
         weights=weights,
         info=meta,
         directory=directory,
+        optimizer=optimizer,
     )
 
 
-def _update_meta(directory: str, changes: dict) -> None:
-    gfile = _gfile()
-    path = posixpath.join(directory, "bundle.json")
-    with gfile.GFile(path, "r") as f:
-        meta = json.loads(f.read())
-    # Removed first: some file systems (ram://) do not truncate a file opened
-    # for writing, and a shorter body would leave the old tail behind.
-    gfile.remove(path)
-    with gfile.GFile(path, "w") as f:
-        f.write(json.dumps({**meta, **changes}, indent=1, allow_nan=True))
+def _update_meta(directory: str, changes: dict, name: str = "bundle.json") -> None:
+    meta = bundle_files.read_json(directory, name) if name == "bundle.json" else {}
+    text = json.dumps({**meta, **changes}, indent=1, allow_nan=True)
+    bundle_files.write_member(directory, name, text.encode("utf-8"))
 
 
-def save_model(directory: str, model, loss_fn=None) -> bool:
-    """Saves ``model`` (and a custom loop's ``loss_fn``) beside a bundle.
+def save_model(
+    directory: str, model, loss_fn=None, optimizer=None, meta_file: str = "bundle.json"
+) -> bool:
+    """Saves ``model`` (and a custom loop's ``loss_fn``) beside a bundle, or
+    beside a rewind point (``meta_file=MODEL_META``: an explosion has no bundle).
 
     Writes ``<directory>/model.keras``; ``bundle.json`` gets ``"model"`` (the
     file name, or None and ``"model_not_saved"``: why) and, for ``loss_fn``,
     ``"replay_loss"`` (its Keras serialization, or None and
-    ``"replay_loss_not_saved"``). Returns whether the model was saved; never
-    raises for a model that cannot be serialized.
+    ``"replay_loss_not_saved"``). It also gets what a replay elsewhere needs:
+    ``"optimizer_config"`` (``optimizer``'s, else the model's, Keras
+    serialization: the remedy trials build a fresh one from it),
+    ``"custom_objects"`` (the classes and functions from outside Keras the
+    model and the loss use: ``{"name", "registered_name", "module"}``, so a
+    replay can say which module to import) and ``"run_facts"`` (``jit_compile``,
+    ``dtype_policy``). Returns whether the model was saved; never raises for a
+    model that cannot be serialized.
     """
     import keras
 
@@ -191,25 +248,103 @@ def save_model(directory: str, model, loss_fn=None) -> bool:
         except Exception as error:  # noqa: BLE001
             changes["replay_loss"] = None
             changes["replay_loss_not_saved"] = f"{type(error).__name__}: {error}"
-    _update_meta(directory, changes)
+    changes.update(_replay_facts(model, loss_fn, optimizer))
+    _update_meta(directory, changes, meta_file)
     return changes["model"] is not None
 
 
-def load_model(bundle: ReproBundle, unsafe: bool = False) -> tuple[Any, Any]:
+def _replay_facts(model, loss_fn, optimizer) -> dict:
+    """``optimizer_config``, ``custom_objects`` and ``run_facts`` (see save_model);
+    a fact that cannot be read is left out."""
+    import keras
+
+    facts: dict[str, Any] = {}
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    try:
+        if optimizer is not None:
+            config = keras.optimizers.serialize(optimizer)
+            facts["optimizer_config"] = json.loads(json.dumps(config))
+    except Exception:  # noqa: BLE001 - the trials then say the optimizer is not known
+        pass
+    try:
+        facts["custom_objects"] = custom_objects(model, loss_fn)
+        facts["run_facts"] = {
+            "jit_compile": bool(getattr(model, "jit_compile", False)),
+            "dtype_policy": getattr(getattr(model, "dtype_policy", None), "name", None),
+        }
+    except Exception:  # noqa: BLE001
+        pass
+    return facts
+
+
+_LIBRARIES = ("keras", "tf_keras", "tensorflow", "tb_nanwatch", "builtins")
+
+
+def custom_objects(model, loss_fn=None) -> list[dict]:
+    """The classes (and ``loss_fn``) outside Keras and TensorFlow that
+    ``model`` is made of: ``{"name", "registered_name", "module"}`` each, once."""
+    import keras
+
+    found: dict[str, dict] = {}
+    things = [type(layer) for layer in model._flatten_layers(include_self=True, recursive=True)]
+    if loss_fn is not None:
+        # A function or class names itself; a loss object, its class.
+        things.append(loss_fn if hasattr(loss_fn, "__name__") else type(loss_fn))
+    for thing in things:
+        module = getattr(thing, "__module__", None) or ""
+        if module.split(".")[0] in _LIBRARIES:
+            continue
+        name = getattr(thing, "__name__", type(thing).__name__)
+        found.setdefault(
+            f"{module}.{name}",
+            {
+                "name": name,
+                "registered_name": keras.saving.get_registered_name(thing),
+                "module": module,
+            },
+        )
+    return list(found.values())
+
+
+def load_model_beside_rewind_point(
+    run_dir: str, unsafe: bool = False, custom_objects: dict | None = None
+) -> tuple[Any, Any, dict]:
+    """The model saved beside ``run_dir``'s rewind point (a run without a
+    bundle: an explosion), its replay loss and what ``model.json`` says of it;
+    FileNotFoundError when there is none (see :func:`load_model`)."""
+    directory = posixpath.join(run_dir, REWIND_DIR)
+    try:
+        info = bundle_files.read_json(directory, MODEL_META)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no reproduction bundle or rewind point under {run_dir!r}"
+        ) from None
+    holder = ReproBundle(step=-1, batch=None, weights={}, info=info, directory=directory)
+    model, loss = load_model(holder, unsafe, custom_objects)
+    return model, loss, info
+
+
+def load_model(
+    bundle: ReproBundle, unsafe: bool = False, custom_objects: dict | None = None
+) -> tuple[Any, Any]:
     """The model saved beside ``bundle`` and its replay loss (or None).
 
     Raises FileNotFoundError when no model was saved (saying why), and
     ValueError when the model holds Python code (a ``Lambda``) and ``unsafe``
     is False: loading it runs that code, so only do it for a trusted run dir.
+    ``custom_objects``: classes and functions by name, for those not
+    registered with Keras.
     """
     import keras
 
     if not bundle.info.get("model"):
         reason = bundle.info.get("model_not_saved", "it was recorded without one")
         raise FileNotFoundError(f"no model saved beside the bundle in {bundle.directory}: {reason}")
-    path = posixpath.join(bundle.directory, bundle.info["model"])
+    path = bundle_files.member(bundle.directory, bundle.info["model"], "the bundle's model")
     if not _gfile().exists(path):
         raise FileNotFoundError(f"the bundle's model file {path} is missing")
-    model = keras.saving.load_model(path, safe_mode=not unsafe)
+    model = keras.saving.load_model(path, custom_objects=custom_objects, safe_mode=not unsafe)
     loss = bundle.info.get("replay_loss")
-    return model, None if loss is None else keras.saving.deserialize_keras_object(loss)
+    if loss is None:
+        return model, None
+    return model, keras.saving.deserialize_keras_object(loss, custom_objects=custom_objects)

@@ -37,13 +37,15 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 
 import keras
+import tensorflow as tf
 
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.record import train_step
+from tb_nanwatch.record import legacy_keras, train_step
 from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.recorder import StepRecorder
 from tb_nanwatch.record.run_dirs import RunPlacement
@@ -63,12 +65,27 @@ logger = logging.getLogger("tb_nanwatch")
 class NanWatch(keras.callbacks.Callback):
     """Records where NaN/Inf is born during ``fit``; writes it for TensorBoard.
 
+    Works for Keras 3 models and for ``tf_keras`` (Keras 2) ones, chosen by
+    what the model is (see :mod:`~tb_nanwatch.record.legacy_keras` for what a
+    tf_keras model does not get).
+
     Args:
         log_dir: run directory for the event files and reproduction bundle
             (any ``tf.io.gfile`` path: local, ``gs://``, ...).
         on_nonfinite: ``"stop"`` (default) ends training after the step,
             ``"raise"`` raises :class:`NonFiniteError`, ``"continue"`` keeps
             training and recording. The incident is on disk before any of them.
+            ``"skip"``: a step whose input, forward pass, loss or gradients
+            are non-finite is not applied (the weights, the optimizer's slots
+            and its iterations stay as before it, restored on the device; a
+            loss scaler's own skipped steps are left to it); training goes on.
+            ``"rewind"``: at an incident or an explosion, the remedy trials
+            run at once; the weights and optimizer state go back to the last
+            rewind point before the onset, the best remedy shown to work that
+            applies to a live run (``lower_lr``, ``fix_schedule``,
+            ``clip_gradients``, ``raise_epsilon``) is set on the optimizer,
+            and training goes on (the batches since the rewind point are not
+            trained on again); without such a remedy it skips like ``"skip"``.
         window: steps of full per-layer statistics kept in the flight recorder
             and written with the incident.
         max_consecutive_skips: mixed-precision steps skipped by the loss scaler
@@ -81,11 +98,12 @@ class NanWatch(keras.callbacks.Callback):
         pre_step_weights: which weights the reproduction bundle holds.
             ``"on_suspect"`` (default) copies them on the device, before the
             update, only in a step whose input..backward is non-finite: an
-            exact bundle for those phases at no per-step cost; an
-            update-phase incident gets the batch but no weights (replaying an
-            update would also need the optimizer's state, which the bundle
-            does not hold). ``"every_step"`` copies them before every step
-            (a copy of every trainable weight, each step); ``"off"``.
+            exact bundle for those phases (with the optimizer's state) at no
+            per-step cost; an update-phase incident gets the batch but no
+            weights (the copy would have to be made before the update could
+            be seen to fail; its trials start from the rewind point).
+            ``"every_step"`` copies the weights and the optimizer's state
+            before every step (a copy of each, each step); ``"off"``.
         explosion_factor: how far above its reference level a signal must
             climb to be an explosion (see ``diagnosis.ExplosionDetector``).
         rewind_every: take a rewind point (a host copy of the weights and the
@@ -98,6 +116,10 @@ class NanWatch(keras.callbacks.Callback):
             try each applicable remedy on a copy of the model and report which
             kept the run finite (False: off).
         trial_budget_s: the wall-clock budget of all remedy trials of a run.
+        max_skips: with ``"skip"`` or ``"rewind"``, the most non-finite steps
+            skipped in a run; one more stops training (status "stopped").
+        max_rewinds: with ``"rewind"``, the most rewinds in a run; the next
+            incident or explosion stops training.
     """
 
     def __init__(
@@ -115,6 +137,8 @@ class NanWatch(keras.callbacks.Callback):
         rewind_memory_mb: float = WatchOptions.rewind_memory_mb,
         remedy_trials: bool = WatchOptions.remedy_trials,
         trial_budget_s: float = WatchOptions.trial_budget_s,
+        max_skips: int = WatchOptions.max_skips,
+        max_rewinds: int = WatchOptions.max_rewinds,
     ) -> None:
         super().__init__()
         self.options = WatchOptions.from_arguments(locals())
@@ -126,6 +150,19 @@ class NanWatch(keras.callbacks.Callback):
         # (what the compiled step was built from, its recorder, the train
         # function): a later fit of the same model reuses them.
         self._compiled: tuple | None = None
+        self._said_legacy = False  # the tf_keras warning, given once
+
+    # tf_keras' CallbackList asks these of every callback (Keras 3 does not).
+    _supports_tf_logs = False
+
+    def _implements_train_batch_hooks(self) -> bool:
+        return True
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return False
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return False
 
     @property
     def incident(self) -> dict | None:
@@ -141,11 +178,8 @@ class NanWatch(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None) -> None:
         model = self.model
-        if model is None or not getattr(model, "compiled", False) or model.optimizer is None:
-            raise ValueError(
-                "model must be compiled with an optimizer before fit() with NanWatch "
-                "(call model.compile(optimizer=..., loss=...))"
-            )
+        step = _step_module(model)
+        self._check_model(model, step)
         previous, self._session = self._session, None
         if previous is not None:
             # Closed already, unless the previous fit raised and Keras skipped
@@ -153,7 +187,7 @@ class NanWatch(keras.callbacks.Callback):
             previous.close("raised")
             if previous.disabled or self._recorder.trace_error is not None:
                 self._compiled = None  # a failed watcher starts afresh
-        if train_step.overrides_train_step(model):
+        if step.overrides_train_step(model):
             warn_stopped_watching(
                 f"{type(model).__name__} overrides train_step, which NanWatch cannot "
                 "instrument from outside; nothing is watched. Use tb_nanwatch.StepWatcher "
@@ -172,25 +206,45 @@ class NanWatch(keras.callbacks.Callback):
                 compiled = None
                 self._recorder = StepRecorder(
                     model,
-                    steps_per_execution=getattr(model, "steps_per_execution", 1) or 1,
+                    steps_per_execution=step.steps_per_execution(model),
                     pre_step_weights=self.options.pre_step_weights,
                 )
             self._recorder.install()
-            run_info = base_run_info(self._recorder, model, model.optimizer, self.options)
+            options = self._options_for(model)
+            run_info = base_run_info(self._recorder, model, model.optimizer, options)
+            if step is legacy_keras:
+                run_info["framework"] = (
+                    f"tf_keras {_tf_keras_version()} / tensorflow {tf.__version__}"
+                )
             self._session = WatchSession(
                 self.log_dir,
                 self._recorder,
-                self.options,
+                options,
                 run_info,
                 self._restore_model,
                 self._placement,
             )
-            compiled = train_step.instrument(model, self._recorder, compiled)
+            compiled = step.instrument(model, self._recorder, compiled)
             self._compiled = (built_from, self._recorder, compiled)
+            if self._session.recovery is not None and step is train_step:
+                self._session.recovery.retrace = self._retrace
         except Exception as error:  # noqa: BLE001 - never break the user's fit
             self._restore_model()
             warn_stopped_watching(f"could not instrument the train step: {error!r}")
             self._session = None
+
+    def _check_model(self, model, step) -> None:
+        """A ValueError unless ``fit`` can be watched as the options ask."""
+        if model is None or not step.is_compiled(model):
+            raise ValueError(
+                "model must be compiled with an optimizer before fit() with NanWatch "
+                "(call model.compile(optimizer=..., loss=...))"
+            )
+        if step is legacy_keras and self.options.recovers:
+            raise ValueError(
+                f"on_nonfinite={self.options.on_nonfinite!r} needs a Keras 3 model (a tf_keras "
+                "optimizer's state is not copied before a step); use 'stop', 'raise' or 'continue'"
+            )
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         if self._session is not None:
@@ -200,19 +254,23 @@ class NanWatch(keras.callbacks.Callback):
         # With steps_per_execution > 1 this runs once per execution and
         # records every step of it.
         session = self._session
-        if session is None or session.end_step() is None:
+        if session is None:
             return
-        if session.stops_training:
-            self._protect_siblings(session.incident)
+        incident = session.end_step()
+        if session.stop_requested:
+            recovery = session.recovery
+            gave_up = recovery is not None and recovery.stop_step is not None
+            self._protect_siblings(recovery.stop_step if gave_up else session.incident["step"])
             self.model.stop_training = True
-        session.raise_if_asked(session.incident)
+        if incident is not None:
+            session.raise_if_asked(incident)
 
     def on_train_end(self, logs=None) -> None:
         self._restore_model()
         if self._session is not None:
             self._session.close()
 
-    def _protect_siblings(self, incident: dict) -> None:
+    def _protect_siblings(self, step: int) -> None:
         """Keeps BackupAndRestore's last good backup when we stop training.
 
         Stopping runs ``on_epoch_end`` (which would save the non-finite
@@ -225,13 +283,40 @@ class NanWatch(keras.callbacks.Callback):
                 logger.warning(
                     "NanWatch kept BackupAndRestore's backup in %s (from before step %d)",
                     callback.backup_dir,
-                    incident["step"],
+                    step,
                 )
 
+    def _retrace(self) -> None:
+        """Traces the train step again (a rewind set an optimizer setting that
+        is read at trace time); later fits of this model reuse the new one."""
+        compiled = train_step.instrument(self.model, self._recorder, None)
+        built_from = self._compiled[0] if self._compiled else _compiled_step_sources(self.model)
+        self._compiled = (built_from, self._recorder, compiled)
+
+    def _options_for(self, model) -> WatchOptions:
+        """The options, less what a tf_keras model cannot have (said once)."""
+        if not legacy_keras.is_legacy_model(model):
+            return self.options
+        if not self._said_legacy:
+            self._said_legacy = True
+            logger.warning(
+                "NanWatch watches this tf_keras model without %s.", legacy_keras.NOT_UNDER_TF_KERAS
+            )
+        return dataclasses.replace(self.options, rewind_every=0, remedy_trials=False)
+
     def _restore_model(self) -> None:
-        train_step.restore(self.model)
+        _step_module(self.model).restore(self.model)
         if self._recorder is not None:
             self._recorder.uninstall()
+
+
+def _step_module(model):
+    """The module that instruments ``model``'s train step: tf_keras' or Keras 3's."""
+    return legacy_keras if legacy_keras.is_legacy_model(model) else train_step
+
+
+def _tf_keras_version() -> str:
+    return str(getattr(sys.modules.get("tf_keras"), "__version__", "?"))
 
 
 def _compiled_step_sources(model: keras.Model) -> tuple:

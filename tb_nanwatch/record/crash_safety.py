@@ -27,11 +27,18 @@ open (it does so itself). This module then guarantees:
     incident stopped it (``WatchSession.final_status``);
   - with SIGTERM ignored before us, it stays ignored (a flush is requested).
 * **Exceptions** (in user code, a callback, the data pipeline): Keras does not
-  call ``on_train_end`` when ``fit`` raises. The journal stays open and is
-  closed by the next ``fit`` of the same callback (status ``"raised"``), or at
-  interpreter exit by an ``atexit`` hook (status ``"raised"`` after an uncaught
-  exception, ``"interrupted"`` otherwise); meanwhile the background flusher has
-  put its steps on disk.
+  call ``on_train_end`` when ``fit`` raises. A journal opened inside Keras'
+  ``fit`` is registered with that call (:func:`close_when_call_ends`): when a
+  SIGINT came (Ctrl-C, a notebook's interrupt: the kernel catches the
+  ``KeyboardInterrupt`` and lives on) and the background flusher then sees
+  the call gone from its thread's stack with the journal still open, it
+  closes it with status ``"interrupted"``, within about a second. Otherwise
+  the journal stays open and is closed by the next ``fit`` of the same
+  callback (status ``"raised"``), or at interpreter exit by an ``atexit``
+  hook (status ``"raised"`` after an uncaught exception, ``"interrupted"``
+  otherwise); meanwhile the background flusher has put its steps on disk.
+  The SIGINT handler only counts and then calls Python's default one; it is
+  put in place (from the main thread) only where that default handler is.
 
 Limits: a Python signal handler runs only between bytecodes of the main
 thread, so SIGTERM during one long TensorFlow op is handled when the op
@@ -68,6 +75,9 @@ _wake = threading.Event()
 TERMINATE_TIMEOUT_SECS = 10.0
 _flush_requested = threading.Event()  # set by the handler: flush everything now
 _sigterm_received = threading.Event()
+_sigints = [0]  # SIGINTs seen by our handler (a list: changed without a lock)
+# id(journal) -> (thread id, id of the call's frame, its code, SIGINTs before it)
+_calls: dict[int, tuple[int, int, object, int]] = {}
 
 
 def watch(journal) -> None:
@@ -75,6 +85,7 @@ def watch(journal) -> None:
     with _lock:
         _open[id(journal)] = journal
     _install()
+    _install_sigint()
     _wake.set()
 
 
@@ -82,6 +93,55 @@ def unwatch(journal) -> None:
     """Forgets a journal (called when it is closed)."""
     with _lock:
         _open.pop(id(journal), None)
+        _calls.pop(id(journal), None)
+
+
+def close_when_call_ends(journal, name: str = "fit", module: str = "keras") -> bool:
+    """Ties ``journal`` to the innermost running call ``name`` of a module
+    under ``module`` on this thread (Keras' ``fit``): when that call has left
+    the stack and the journal is still open, the flusher closes it (see the
+    module docstring). Returns whether such a call was found."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == name and str(frame.f_globals.get("__name__", "")).startswith(module):
+            with _lock:
+                _calls[id(journal)] = (threading.get_ident(), id(frame), code, _sigints[0])
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _call_running(thread: int, frame_id: int, code: object) -> bool:
+    frame = sys._current_frames().get(thread)
+    while frame is not None:
+        if id(frame) == frame_id and frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def close_ended_calls() -> int:
+    """Closes, with status ``"interrupted"``, each open journal whose call
+    ended after a SIGINT without closing it; returns how many. A call that
+    ended otherwise (an exception) is forgotten: its journal stays open."""
+    with _lock:
+        ended = [(j, _calls[key]) for key, j in _open.items() if key in _calls]
+    closed = 0
+    for journal, (thread, frame_id, code, sigints) in ended:
+        if _call_running(thread, frame_id, code):
+            continue
+        if _sigints[0] == sigints:
+            with _lock:
+                _calls.pop(id(journal), None)
+            continue
+        try:
+            journal.close("interrupted")
+            closed += 1
+        except Exception as error:  # noqa: BLE001 - the flusher must live on
+            logger.warning("NanWatch could not close the record after its fit ended: %r", error)
+            unwatch(journal)
+    return closed
 
 
 def open_journals() -> list:
@@ -129,6 +189,24 @@ def _install_sigterm() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
     except (ValueError, OSError, AttributeError) as error:  # no signals here (embedded, ...)
         logger.debug("NanWatch: no SIGTERM handler installed: %r", error)
+
+
+def _install_sigint() -> None:
+    """Counts SIGINTs, then lets Python's default handler raise
+    ``KeyboardInterrupt``; only where that default handler is in place (a
+    notebook kernel puts it back at each cell, so this runs at each watch)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_sigint)
+    except (ValueError, OSError, AttributeError) as error:
+        logger.debug("NanWatch: no SIGINT handler installed: %r", error)
+
+
+def _on_sigint(signum, frame) -> None:
+    _sigints[0] += 1
+    signal.default_int_handler(signum, frame)
 
 
 def sigterm_received() -> bool:
@@ -218,3 +296,4 @@ def _flush_loop() -> None:
         everything = _flush_requested.is_set()
         _flush_requested.clear()
         flush_due(everything=everything)
+        close_ended_calls()

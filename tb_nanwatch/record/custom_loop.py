@@ -42,6 +42,32 @@ reproduction bundle, from a few added lines in your own step::
 * A custom ``keras.Model.train_step`` under ``fit``: use the same calls inside
   your ``train_step`` and pass ``callbacks=[watcher.callback()]`` to ``fit``.
 * ``jit_compile=True`` works: the statistics are plain TensorFlow ops.
+* Gradient accumulation (several forward/backward passes, one per
+  micro-batch, then one ``apply_gradients``): pass ``micro_batches=N`` and
+  open one ``watcher.forward`` per micro-batch, in a Python loop inside the
+  compiled step; call ``rec.after_update()`` once, after the update::
+
+      watcher = tb_nanwatch.StepWatcher("logs/run", model, optimizer, micro_batches=4)
+
+      @tf.function(jit_compile=True)
+      def train_step(xs, ys):  # xs: [4, micro_batch, ...]
+          total = [tf.zeros_like(v) for v in model.trainable_variables]
+          for i in range(4):  # a Python loop: each micro-batch is traced
+              with tf.GradientTape() as tape, watcher.forward(tape, xs[i], ys[i]) as rec:
+                  loss = rec.loss(loss_fn(ys[i], model(xs[i], training=True)))
+              grads = rec.gradients(tape.gradient(loss, rec.sources(model.trainable_variables)))
+              total = [t + g for t, g in zip(total, grads)]
+          optimizer.apply_gradients(zip(total, model.trainable_variables))
+          rec.after_update()
+
+  The step's record holds every micro-batch's input, forward, loss and
+  backward entries (in that order, micro-batch after micro-batch), then the
+  update; an incident names its ``micro_batch`` and the bundle holds that
+  micro-batch's data. The header's loss is the micro-batches' mean, its
+  gradient norm the root of the sum of their squared norms. A step that
+  does not run exactly ``micro_batches`` passes, or runs them inside a
+  ``tf.while_loop`` (a ``tf.range`` loop), is refused when it is traced
+  (:class:`~tb_nanwatch.record.recorder.StepPatternError`).
 """
 
 from __future__ import annotations
@@ -52,7 +78,7 @@ import tensorflow as tf
 from tb_nanwatch.evidence.options import WatchOptions, positive_int
 from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.phase_stats import StepInputs
-from tb_nanwatch.record.recorder import PendingStep, StepRecorder
+from tb_nanwatch.record.recorder import PendingStep, StepPatternError, StepRecorder
 from tb_nanwatch.record.run_dirs import RunPlacement
 from tb_nanwatch.record.session import (
     NonFiniteError,
@@ -64,7 +90,7 @@ from tb_nanwatch.record.session import (
 )
 from tb_nanwatch.record.taps import StepTrace
 
-__all__ = ["StepWatcher", "StepRecording", "NonFiniteError"]
+__all__ = ["StepWatcher", "StepRecording", "NonFiniteError", "StepPatternError"]
 
 # The recording calls run at trace time as plain Python: autograph need not
 # (and should not) rewrite them.
@@ -81,12 +107,20 @@ class StepWatcher:
             ``LossScaleOptimizer`` under mixed precision).
         steps_per_execution: how many train steps run per call of your
             compiled function (the device buffer holds one row per step).
+        micro_batches: forward/backward passes per step with gradient
+            accumulation (see the module docstring); 1 without.
         on_nonfinite, window, max_consecutive_skips, min_loss_scale,
         snapshot_every, flush_secs, pre_step_weights, explosion_factor,
-        rewind_every, rewind_memory_mb, remedy_trials, trial_budget_s: as
-            for :class:`~tb_nanwatch.record.callback.NanWatch`. With ``"stop"``,
+        rewind_every, rewind_memory_mb, remedy_trials, trial_budget_s,
+        max_skips, max_rewinds: as for
+            :class:`~tb_nanwatch.record.callback.NanWatch`. With ``"stop"``,
             :meth:`end_step` returns True; with ``"raise"`` it raises
-            :class:`~tb_nanwatch.record.callback.NonFiniteError`.
+            :class:`~tb_nanwatch.record.callback.NonFiniteError`. With
+            ``"skip"`` the restore happens in ``rec.after_update()`` (call it
+            after ``apply_gradients``); with ``"rewind"`` only a remedy that
+            needs no new trace of your step applies live (``lower_lr`` with a
+            float learning rate); else it skips. :meth:`end_step` returns
+            True when ``max_skips`` or ``max_rewinds`` is exceeded.
         loss_fn: optional ``loss_fn(y, y_pred)``, your loop's loss: when
             training stops, the incident's step is replayed with it from its
             bundle to name the op and the source line (see
@@ -101,6 +135,7 @@ class StepWatcher:
         optimizer,
         *,
         steps_per_execution: int = 1,
+        micro_batches: int = 1,
         on_nonfinite: str = WatchOptions.on_nonfinite,
         window: int = WatchOptions.window,
         max_consecutive_skips: int = WatchOptions.max_consecutive_skips,
@@ -109,6 +144,8 @@ class StepWatcher:
         rewind_memory_mb: float = WatchOptions.rewind_memory_mb,
         remedy_trials: bool = WatchOptions.remedy_trials,
         trial_budget_s: float = WatchOptions.trial_budget_s,
+        max_skips: int = WatchOptions.max_skips,
+        max_rewinds: int = WatchOptions.max_rewinds,
         snapshot_every: int = WatchOptions.snapshot_every,
         flush_secs: float = WatchOptions.flush_secs,
         pre_step_weights: str = WatchOptions.pre_step_weights,
@@ -121,6 +158,7 @@ class StepWatcher:
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}")
         positive_int("steps_per_execution", steps_per_execution)
+        positive_int("micro_batches", micro_batches)
         check_optimizer(optimizer)
         log_dir = check_writable(log_dir)
         self.options = options
@@ -130,10 +168,13 @@ class StepWatcher:
             model,
             steps_per_execution=steps_per_execution,
             pre_step_weights=options.pre_step_weights,
+            micro_batches=micro_batches,
         )
         self.recorder.install()
         info = base_run_info(self.recorder, model, optimizer, options)
         info["loop"] = "custom"
+        if micro_batches > 1:
+            info["micro_batches"] = micro_batches
         if loss_fn is not None:
             info["loss_from_logits"] = loss_from_logits(loss_fn)
         self.session = WatchSession(
@@ -173,15 +214,18 @@ class StepWatcher:
     def end_step(self) -> bool:
         """Records the steps that ran since the last call (one device read).
 
-        Returns True when an incident was found and ``on_nonfinite="stop"``;
-        raises :class:`NonFiniteError` with ``"raise"``. Never raises for a
+        Returns True when an incident was found and ``on_nonfinite="stop"``
+        (or ``max_skips``/``max_rewinds`` was exceeded); raises
+        :class:`NonFiniteError` with ``"raise"``. Never raises for a
         failure of the watcher itself: it warns once and stops watching.
         """
+        if self.recorder.built_for_xla and self.session.journal is None:
+            # The step's own tf.function decides, not the model: say what was built.
+            self.session.run_info["jit_compile"] = True
         incident = self.session.end_step()
-        if incident is None:
-            return False
-        self.session.raise_if_asked(incident)
-        return self.session.stops_training
+        if incident is not None:
+            self.session.raise_if_asked(incident)
+        return self.session.stop_requested
 
     def close(self, status: str | None = None) -> None:
         """Writes the final run summary and releases the layers' wrappers."""
@@ -194,7 +238,12 @@ class StepWatcher:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        self.close("raised" if exc_type is not None and self.incident is None else None)
+        status = None
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            status = "interrupted"
+        elif exc_type is not None and self.incident is None:
+            status = "raised"
+        self.close(status)
 
     def callback(self) -> keras.callbacks.Callback:
         """A Keras callback that calls :meth:`end_step` for ``fit``.

@@ -9,11 +9,19 @@ A :class:`DeviceRecord` holds, in replica-local variables:
   steps ran; with ``fit`` and one step per execution not even that, the row
   is handed over with the step's outputs, see :meth:`DeviceRecord.hand_over`);
 * the batch of the last step that went non-finite (the batch stash);
-* a copy of the trainable weights as they were before the step
-  (``pre_step_weights``), every step or only in a step that may be non-finite.
+* a copy of the trainable weights and of the optimizer's variables (slots,
+  iterations) as they were before the step (``pre_step_weights``), every step
+  or only in a step that may be non-finite;
+* with rewind points on, the batches of the last steps
+  (:class:`~tb_nanwatch.record.batch_ring.BatchRing`), read by the host only
+  when a rewind point is saved.
 
-Both copies stop changing at the first incident, so the reproduction bundle
-holds the exact state that produced it (:meth:`pre_step_state`).
+The copies stop changing at the first incident, so the reproduction bundle
+holds the exact state that produced it (:meth:`pre_step_state`,
+:meth:`pre_step_optimizer`). With ``on_nonfinite="skip"``/``"rewind"``
+(``restores``) they are taken at every step that may be non-finite instead,
+and :mod:`~tb_nanwatch.record.step_undo` assigns them back after the update
+of a step to be undone.
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ from tensorflow.python.ops import gen_resource_variable_ops
 
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import Schema
-from tb_nanwatch.record import step_stats
+from tb_nanwatch.record import step_stats, step_undo
+from tb_nanwatch.record.batch_ring import BatchRing
 from tb_nanwatch.record.stats.backend import StatsBackend
+from tb_nanwatch.record.taps import variable_path
 from tb_nanwatch.record.unseen_variables import hidden_from_tf_function
 
 # Sequence numbers are stored in float32: keep them exactly representable.
@@ -55,11 +65,29 @@ class DeviceRecord:
         self._incident_captured: tf.Variable | None = None
         self._replicas = 1
         self.watched_weights: list | None = None  # the variables of the weight copies
+        self._optimizer_copies: list[tf.Variable] | None = None
+        self.watched_optimizer_variables: list = []  # the variables of those copies
+        self.ring: BatchRing | None = None  # see configure_rewind
+        # Whether a non-finite step is undone ("skip"/"rewind", set by the
+        # session before the step is traced): see record/step_undo.py.
+        self.restores = False
         self._last_seq = 0
         self._handed_row: tf.Tensor | None = None
         # The graph being traced when the variables were created (None
         # until then, or when they were created eagerly).
         self.created_in_graph = None
+
+    def configure_rewind(self, slots: int, max_bytes: int) -> None:
+        """Keeps the batches of the last ``slots`` steps on the device (for
+        rewind points), within ``max_bytes``; before the step is traced (a
+        ring made by an earlier trace is kept)."""
+        if self.ring is None and slots > 0:
+            self.ring = BatchRing(slots, max_bytes)
+
+    @property
+    def batch_structure(self) -> Any:
+        """The nest structure of the step's batch (None for a non-tensor leaf)."""
+        return self._batch_structure
 
     @property
     def row_width(self) -> int:
@@ -115,6 +143,8 @@ class DeviceRecord:
         self._incident_captured = _local_variable(tf.constant(False), "nanwatch_incident_captured")
         self._batch_stash = [_stash_variable(t, growable) for t in batch]
         self.watched_weights = list(weights)
+        if self.ring is not None:
+            self.ring.create(batch, growable, _local_variable)
         if self.pre_step_weights != "off":
             self._pre_step_copies = [_weight_copy(v, growable) for v in weights]
             self._pre_step_copies_of = _local_variable(
@@ -122,10 +152,17 @@ class DeviceRecord:
             )
 
     def copy_pre_step_weights(
-        self, weights: list, maybe_nonfinite, gradients: list, stats: StatsBackend
+        self,
+        weights: list,
+        maybe_nonfinite,
+        gradients: list,
+        stats: StatsBackend,
+        optimizer_variables: list = (),
     ) -> list:
-        """Copies the weights before the update: every step, or ``on_suspect``
-        when ``maybe_nonfinite()`` (a scalar bool tensor) is true.
+        """Copies the weights and ``optimizer_variables`` (the optimizer's
+        slots and iterations, when it is built) before the update: every
+        step, or ``on_suspect`` when ``maybe_nonfinite()`` (a scalar bool
+        tensor) is true.
 
         Returns ``gradients`` (the weights', ``None`` where a weight has none)
         for the update to apply: under XLA the update then waits for the copy
@@ -133,6 +170,7 @@ class DeviceRecord:
         """
         if self._pre_step_copies is None:
             return gradients
+        self.ensure_optimizer_copies(optimizer_variables, stats)
         # The copies are frozen at the first incident (see write_row), so with
         # steps_per_execution > 1 the later steps of the same execution do not
         # overwrite them.
@@ -142,9 +180,17 @@ class DeviceRecord:
         def copy() -> None:
             for copy_var, v in zip(self._pre_step_copies, weights, strict=False):
                 copy_var.assign(v)
+            for copy_var, v in zip(
+                self._optimizer_copies or [], self.watched_optimizer_variables, strict=False
+            ):
+                copy_var.assign(v)
             self._pre_step_copies_of.assign(this_step)
 
-        if self.pre_step_weights == "every_step":
+        if self.restores:
+            # Every suspect step, also after the incident: it may be undone.
+            every = self.pre_step_weights == "every_step"
+            copying = tf.constant(True) if every else step_undo.agreed(maybe_nonfinite())
+        elif self.pre_step_weights == "every_step":
             copying = capturing
         else:
             copying = tf.logical_and(maybe_nonfinite(), capturing)
@@ -164,6 +210,37 @@ class DeviceRecord:
                 out.append(next(carried))
         return out
 
+    def copied_this_step(self) -> tf.Tensor:
+        """Whether the step being written copied the weights (before
+        :meth:`write_row` counts it), in the graph."""
+        if self._pre_step_copies_of is None:
+            return tf.constant(False)
+        return tf.equal(self._pre_step_copies_of.read_value(), self._step_count.read_value() + 1)
+
+    def pre_step_pairs(self) -> list[tuple[Any, tf.Variable]]:
+        """(variable, its pre-step copy) for each weight and optimizer variable copied."""
+        pairs = list(zip(self.watched_weights or [], self._pre_step_copies or [], strict=False))
+        optimizer = zip(
+            self.watched_optimizer_variables, self._optimizer_copies or [], strict=False
+        )
+        return pairs + list(optimizer)
+
+    def ensure_optimizer_copies(self, variables: list, stats: StatsBackend) -> None:
+        """Creates the copies of the optimizer's ``variables`` once it is built:
+        in the first trace, eagerly (hidden from the tf.function when that
+        trace is the one that runs; a later trace may not create variables).
+        Without them the bundle holds no optimizer state."""
+        with self._lock:
+            if self._optimizer_copies is not None or not variables:
+                return
+            try:
+                with tf.init_scope(), hidden_from_tf_function():
+                    copies = [_weight_copy(v, stats.growable_copies) for v in variables]
+            except ValueError:  # a later trace of a tf.function may not create any
+                copies, variables = [], []
+            self.watched_optimizer_variables = list(variables)
+            self._optimizer_copies = copies
+
     def start_over(self) -> None:
         """Back to the state of a new run, for a compiled step that a later
         ``fit`` reuses: no step counted, nothing captured, an empty buffer."""
@@ -172,6 +249,8 @@ class DeviceRecord:
             if var is not None:
                 for local in _locals(var):
                     local.assign(tf.zeros(local.shape, local.dtype))
+        if self.ring is not None:
+            self.ring.start_over()
         self._last_seq = 0
         self._handed_row = None
 
@@ -196,6 +275,8 @@ class DeviceRecord:
             self._batch_of.assign(count)
 
         stats.rare_assign(tf.logical_and(nonfinite, capturing), keep_batch)
+        if self.ring is not None:
+            self.ring.write(count, batch, stats)
         self._incident_captured.assign(tf.logical_or(tf.logical_not(capturing), incident))
         seq = tf.cast(count % SEQ_MODULO, tf.float32)
         first = tf.reshape(replica_first_nonfinite, [-1])
@@ -269,6 +350,21 @@ class DeviceRecord:
                 weights = [_locals(v)[best].numpy() for v in self._pre_step_copies]
         batch = [_unstash(slot) for slot in self._batch_stash] if self._batch_stash else []
         return weights, batch, self._batch_structure
+
+    def pre_step_optimizer(self) -> dict[str, np.ndarray]:
+        """The optimizer's variables (slots, iterations) from before the
+        stashed step, by path, copied with the weights; {} when not copied."""
+        if not self._optimizer_copies:
+            return {}
+        counts = [int(c.numpy()) for c in _locals(self._pre_step_copies_of)]
+        best = int(np.argmax(counts))
+        if counts[best] <= 0:
+            return {}
+        values = [_locals(v)[best].numpy() for v in self._optimizer_copies]
+        if any(v.size == 0 and v.ndim == 1 for v in values):
+            return {}  # a growable copy the copying step did not fill (created after it)
+        paths = [variable_path(v) for v in self.watched_optimizer_variables]
+        return dict(zip(paths, values, strict=False))
 
     def stashed_steps(self) -> tuple[int | None, int | None]:
         """(step of the stashed batch, step before which the weights were

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import queue
 import threading
 import time
@@ -20,9 +21,12 @@ import numpy as np
 
 from tb_nanwatch.evidence import causes, diagnosis, metadata, recorded
 from tb_nanwatch.evidence.options import WatchOptions
+from tb_nanwatch.evidence.printable import printable
 from tb_nanwatch.evidence.schema import Schema
 from tb_nanwatch.record import crash_safety
 from tb_nanwatch.record.event_writer import RunWriter
+
+logger = logging.getLogger("tb_nanwatch")
 
 SERIES_BASE_COLUMNS = (
     "loss",
@@ -115,6 +119,8 @@ class RunJournal:
         self.steps = 0
         self.first_nonfinite: dict | None = None
         self.explosion_onset: dict | None = None
+        # The newest explosion onset (after a rewind the detector starts over).
+        self.latest_explosion: dict | None = None
         self.skipped_steps: list[int] = []
         self.status = "running"
         self.repro_bundle: str | None = None
@@ -130,6 +136,10 @@ class RunJournal:
         self._worker: threading.Thread | None = None
         self._worker_error: Exception | None = None
         self._flushed_steps = 0
+        # The incident's flight window as written, and the steps at which a
+        # deleted or replaced log dir was noticed (see _write_again).
+        self._incident_flight: tuple[int, np.ndarray] | None = None
+        self._rewritten_at: list[int] = []
         self.closed = False
         crash_safety.watch(self)
 
@@ -224,7 +234,9 @@ class RunJournal:
         if verdict.incident is not None:
             self.first_nonfinite = verdict.incident
         if verdict.explosion is not None:
-            self.explosion_onset = verdict.explosion
+            # The run's first onset stays; a later one (after a rewind) is the latest.
+            self.explosion_onset = self.explosion_onset or verdict.explosion
+            self.latest_explosion = verdict.explosion
             self._write_onset_snapshots(int(verdict.explosion["step"]))
             self.flush()
         if len(self._chunk_rows) >= metadata.CHUNK_STEPS:
@@ -235,6 +247,13 @@ class RunJournal:
         elif step == 0 or time.monotonic() - self._last_flush > self.flush_secs:
             self.flush()
         return verdict.incident
+
+    @_locked
+    def mark_rewind(self) -> None:
+        """The run went back to a rewind point after the last recorded step:
+        the steps from the next on are judged afresh (see
+        :meth:`~tb_nanwatch.evidence.diagnosis.RunDiagnosis.rewound`)."""
+        self.diagnosis.rewound()
 
     def _checked(self, step: int, vector: np.ndarray) -> np.ndarray:
         """``vector`` as float32, or a ValueError for a wrong shape or step."""
@@ -331,6 +350,7 @@ class RunJournal:
                 self.repro_bundle, self.repro_bundle_exact = saved
         steps, window = self.flight_window()
         if len(steps):
+            self._incident_flight = (int(steps[0]), window)
             self.writer.write_array(
                 metadata.TAG_FLIGHT, metadata.KIND_FLIGHT, int(steps[0]), window
             )
@@ -356,17 +376,51 @@ class RunJournal:
             "repro_bundle": self.repro_bundle,
             "repro_bundle_exact": self.repro_bundle_exact,
             "schema": self.schema.to_json(),
+            **({"record_rewritten_at": list(self._rewritten_at)} if self._rewritten_at else {}),
             **self.run_info,
         }
 
     @_locked
     def flush(self) -> None:
-        """Writes the partial series chunk and the run summary, then syncs."""
+        """Writes the partial series chunk and the run summary, then syncs
+        (into a new event file when the log dir was deleted or replaced)."""
+        if not self.writer.still_there():
+            self._write_again()
         self._write_chunk()
         self.writer.write_json(metadata.TAG_RUN, metadata.KIND_RUN, self.steps, self.summary())
         self.writer.flush()
         self._last_flush = time.monotonic()
         self._flushed_steps = self.steps
+
+    def _write_again(self) -> None:
+        """The event file is gone (its log dir deleted or replaced): a new one,
+        with what is still in memory: the incident and its flight window, the
+        ring's periodic snapshots, then (by flush) the current series chunk and
+        the summary. Warned once a run; the earlier chunks are lost."""
+        if not self._rewritten_at:
+            logger.warning(
+                "NanWatch: the run dir %s was deleted or replaced during the run; the record is "
+                "written again from what is still in memory (the series before step %d and "
+                "older snapshots are lost)",
+                printable(self.writer.log_dir),
+                self._chunk_start if self._chunk_rows else self.steps,
+            )
+        self._rewritten_at.append(self.steps)
+        self.writer = self.writer.reopened()
+        if self._incident_flight is not None:
+            first, window = self._incident_flight
+            self.writer.write_array(metadata.TAG_FLIGHT, metadata.KIND_FLIGHT, first, window)
+        if self.first_nonfinite is not None:
+            incident = self.first_nonfinite
+            self.writer.write_json(
+                metadata.TAG_INCIDENT, metadata.KIND_INCIDENT, incident["step"], incident
+            )
+        steps, window = self.flight_window()
+        for step, vector in zip(steps.tolist(), window, strict=True):
+            if self.snapshot_every and step % self.snapshot_every == 0:
+                self.writer.write_array(
+                    metadata.layers_tag(step), metadata.KIND_LAYERS, step, vector
+                )
 
     def close(self, status: str = "finished", hold: bool = False) -> None:
         """Final flush with ``status``; later calls do nothing. With ``hold``

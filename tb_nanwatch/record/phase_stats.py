@@ -23,9 +23,9 @@ import keras
 import tensorflow as tf
 
 from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION
-from tb_nanwatch.record import io_names, step_stats
+from tb_nanwatch.record import io_names
 from tb_nanwatch.record.lazy_counts import scalar_total
-from tb_nanwatch.record.taps import LayerTaps, StepTrace
+from tb_nanwatch.record.taps import LayerTaps, StepTrace, variable_path
 
 # Every op the statistics add to the step graph is created under this scope.
 STATS_SCOPE = "nanwatch_stats"
@@ -107,8 +107,11 @@ class PhaseStatistics:
         # read (filled when the step is traced).
         self.not_watched_inputs: list[str] = []
 
-    def before_update(self, inputs: StepInputs, builder) -> step_stats.StatsBuilder:
-        """The header, input, forward, loss and backward entries of one step.
+    def before_update(self, inputs: StepInputs, builder, micro_batch: int | None = None) -> list:
+        """The header, input, forward, loss and backward entries of one step
+        (of its micro-batch ``micro_batch`` with gradient accumulation: the
+        header comes with micro-batch 0). Returns the fields of the weights'
+        gradients (see :meth:`accumulated_header`).
 
         Each entry's fields are given to ``builder`` (a
         :class:`~tb_nanwatch.record.step_stats.StatsBuilder`) as a function: a
@@ -118,12 +121,31 @@ class PhaseStatistics:
             grad_fields = builder.stats.gradient_fields_each(inputs.weight_grads)
         else:
             grad_fields = [{} for _ in inputs.weight_grads]
-        self.header(builder, inputs, grad_fields)
-        self.input(builder, inputs)
-        self.forward(builder, inputs)
-        self.loss(builder, inputs)
-        self.backward(builder, inputs, grad_fields)
-        return builder
+        if not micro_batch:
+            self.header(builder, inputs, grad_fields)
+        builder.micro_batch = micro_batch
+        try:
+            self.input(builder, inputs)
+            self.forward(builder, inputs)
+            self.loss(builder, inputs)
+            self.backward(builder, inputs, grad_fields)
+        finally:
+            builder.micro_batch = None
+        return grad_fields
+
+    def accumulated_header(self, builder, passes: list[tuple[StepInputs, list]]) -> None:
+        """The header of a step with several micro-batches (``passes``: each
+        one's inputs and gradient fields): the mean of their losses, the root
+        of the sum of their squared gradient norms, a loss-scaler skip if any
+        gradient holds a NaN/Inf. The learning rate and iterations stay as
+        micro-batch 0 read them (before the update)."""
+        if not builder.records_values or len(passes) < 2:
+            return
+        grad_fields = [f for _, fields in passes for f in fields]
+        losses = [tf.cast(tf.reduce_mean(i.loss), tf.float32) for i, _ in passes]
+        fields = _header_fields(builder.stats, passes[0][0], grad_fields)
+        fields["loss"] = tf.add_n(losses) / float(len(losses))
+        builder.replace_header({k: fields[k] for k in ("loss", "grad_norm", "skipped")})
 
     def header(self, builder, inputs: StepInputs, grad_fields: list[dict]) -> None:
         """Loss, gradient norm (unscaled), learning rate, loss scale, skipped, iterations."""
@@ -192,14 +214,14 @@ class PhaseStatistics:
     def loss(self, builder, inputs: StepInputs) -> None:
         """Each output's loss, then the total."""
         for name, value in inputs.trace.losses:
-            fields = functools.partial(_loss_fields, builder.stats, value)
+            fields = functools.partial(loss_fields, builder.stats, value)
             builder.add("loss", "loss", name, f"loss of output {name}", fields)
         builder.add(
             "loss",
             "loss",
             None,
             "total loss",
-            functools.partial(_loss_fields, builder.stats, inputs.loss),
+            functools.partial(loss_fields, builder.stats, inputs.loss),
         )
 
     def backward(self, builder, inputs: StepInputs, grad_fields: list[dict]) -> None:
@@ -217,7 +239,7 @@ class PhaseStatistics:
                 builder.add("backward", "grad_out", path, tensor, fields)
             if "#" not in path:
                 for v, fields in grads_by_owner.pop(path, []):
-                    text = f"gradient of {v.path}"
+                    text = f"gradient of {variable_path(v)}"
                     builder.add("backward", "grad_var", path, text, fields)
             if in_grads:  # none when the input is not computed from any weight
                 fields = functools.partial(builder.stats.gradient_fields, in_grads)
@@ -225,7 +247,7 @@ class PhaseStatistics:
                 builder.add("backward", "grad_in", path, tensor, fields)
         for owner, items in grads_by_owner.items():
             for v, fields in items:
-                text = f"gradient of {v.path}"
+                text = f"gradient of {variable_path(v)}"
                 builder.add("backward", "grad_var", owner, text, fields)
 
     def update(self, builder, weights: list) -> None:
@@ -239,24 +261,26 @@ class PhaseStatistics:
         for index, v in enumerate(weights):
             fields = functools.partial(_nth, fields_of_all, index)
             builder.add(
-                "update", "weights", owners.get(id(v)), f"{v.path} after the update", fields
+                "update",
+                "weights",
+                owners.get(id(v)),
+                f"{variable_path(v)} after the update",
+                fields,
             )
 
 
 def _header_fields(stats, inputs: StepInputs, grad_fields: list[dict]) -> dict:
     """The header's values (see ``PhaseStatistics.header``)."""
     optimizer = inputs.optimizer
-    is_lso = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    if is_lso:
-        scale = optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale
-        scale = tf.cast(scale, tf.float32)
-    else:
+    scale = loss_scale(optimizer)
+    is_lso = scale is not None
+    if scale is None:
         scale = tf.constant(1.0)
     grad_sumsq = scalar_total([f["norm"] for f in grad_fields]) if grad_fields else tf.constant(0.0)
     skipped = (
         _skipped_by_loss_scaler(stats, grad_fields, grad_sumsq) if is_lso else tf.constant(0.0)
     )
-    lr = optimizer.learning_rate if optimizer is not None else 0.0
+    lr = current_learning_rate(optimizer)
     iterations = optimizer.iterations if optimizer is not None else 0
     return {
         "loss": tf.cast(inputs.loss, tf.float32),
@@ -266,6 +290,31 @@ def _header_fields(stats, inputs: StepInputs, grad_fields: list[dict]) -> dict:
         "skipped": skipped,
         "iterations": tf.cast(iterations, tf.float32),
     }
+
+
+def loss_scale(optimizer) -> tf.Tensor | None:
+    """The loss scale (float32) of a loss-scaling optimizer (Keras 3's
+    ``LossScaleOptimizer``, or tf_keras' one), None for any other."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        scale = optimizer.dynamic_scale if optimizer.built else optimizer.initial_scale
+        return tf.cast(scale, tf.float32)
+    if hasattr(optimizer, "get_scaled_loss") and hasattr(optimizer, "loss_scale"):
+        return tf.cast(optimizer.loss_scale, tf.float32)
+    return None
+
+
+def current_learning_rate(optimizer):
+    """The learning rate the step uses (a schedule's value at the step); 0
+    when there is none or it cannot be read before the first update."""
+    if optimizer is None:
+        return 0.0
+    try:
+        lr = optimizer.learning_rate
+    except (AttributeError, ValueError):  # a tf_keras schedule before its first update
+        return 0.0
+    if callable(lr) and not isinstance(lr, tf.Variable):
+        return lr(optimizer.iterations)
+    return lr
 
 
 def _nth(make_all, index: int) -> dict:
@@ -318,7 +367,8 @@ def logits_read_instead(outputs: list) -> dict[int, tf.Tensor]:
     return instead
 
 
-def _loss_fields(stats, value) -> dict:
+def loss_fields(stats, value) -> dict:
+    """The loss entry's fields: its mean, and whether that is NaN or Inf."""
     value = tf.cast(tf.reduce_mean(value), tf.float32)
     return {
         "nan": tf.cast(stats.is_nan(value), tf.float32),

@@ -14,6 +14,7 @@ weight copies, the one host read). The Keras train step
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 
 import keras
@@ -21,11 +22,20 @@ import tensorflow as tf
 
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import FIELDS, Schema
-from tb_nanwatch.record import step_stats
+from tb_nanwatch.record import step_stats, step_undo
 from tb_nanwatch.record.device_record import DeviceRecord
 from tb_nanwatch.record.phase_stats import STATS_SCOPE, PhaseStatistics, StepInputs, readers_first
 from tb_nanwatch.record.stats import backend
-from tb_nanwatch.record.taps import LayerTaps, StepTrace
+from tb_nanwatch.record.taps import LayerTaps, StepTrace, keras_kinds
+
+
+class StepPatternError(Exception):
+    """A step written in a way the recorder cannot follow (raised at trace
+    time, never a wrong record): e.g. more forward passes than
+    ``micro_batches``, or a pass inside a ``tf.while_loop`` body.
+
+    A plain ``Exception`` subclass (no ``__init__`` of its own), so that
+    autograph re-raises it as itself from a traced step."""
 
 
 @dataclasses.dataclass
@@ -35,7 +45,11 @@ class PendingStep:
     builder: step_stats.StatsBuilder
     batch: list[tf.Tensor]
     gradients: list  # every gradient the statistics read (see readers_first)
-    weight_gradients: list  # the weights' gradients, for the update to apply
+    weight_gradients: list  # the weights' gradients (of the latest pass), for the update
+    # Gradient accumulation: each pass's (StepInputs, gradient fields) and flat batch.
+    passes: list = dataclasses.field(default_factory=list)
+    batches: list = dataclasses.field(default_factory=list)
+    pass_entries: list | None = None  # what micro-batch 0 recorded, to compare the others
 
 
 class StepRecorder:
@@ -46,8 +60,16 @@ class StepRecorder:
         model: keras.Model,
         steps_per_execution: int = 1,
         pre_step_weights: str = WatchOptions.pre_step_weights,
+        micro_batches: int = 1,
     ) -> None:
         self.model = model
+        # Forward/backward passes per step (gradient accumulation); see before_update.
+        self.micro_batches = micro_batches
+        # The step each graph (and replica thread) is building, between its
+        # first pass and after_update.
+        self._open = threading.local()
+        # Whether a step was built for XLA (None until one is built).
+        self.built_for_xla: bool | None = None
         self.device = DeviceRecord(steps_per_execution, pre_step_weights)
         self.taps = LayerTaps(model)
         self.statistics = PhaseStatistics(self.taps)
@@ -61,6 +83,11 @@ class StepRecorder:
         self.not_float_layers: list[str] = []
         self.strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
         self._discarded_trace = None  # see _trace_never_runs
+        # The optimizer the step applies (known from the first trace on), and
+        # the rewind points' host side, which takes the state before the
+        # first step when that trace is built (set by the session).
+        self.optimizer = None
+        self.rewind = None
 
     @property
     def steps_per_execution(self) -> int:
@@ -90,7 +117,38 @@ class StepRecorder:
 
     def before_update(self, inputs: StepInputs) -> PendingStep:
         """Adds header, input, forward, loss and backward entries; copies the
-        weights before the update (see ``pre_step_weights``)."""
+        weights before the update (see ``pre_step_weights``).
+
+        With ``micro_batches`` > 1 each call records one forward/backward
+        pass of the step (a micro-batch) into the same pending step; the
+        returned step's ``weight_gradients`` are this pass's.
+        """
+        graph = tf.compat.v1.get_default_graph()
+        open_steps = self._open_steps()
+        pending = open_steps.get(graph)
+        if pending is None:
+            pending = self._first_pass(inputs)
+            open_steps[graph] = pending
+            return pending
+        if len(pending.passes) >= self.micro_batches:
+            raise StepPatternError(
+                f"{len(pending.passes) + 1} forward passes in one step with "
+                f"micro_batches={self.micro_batches}: for gradient accumulation pass the "
+                "number of micro-batches a step runs, and call rec.after_update() once a "
+                "step, after the update"
+            )
+        self._next_pass(pending, inputs)
+        return pending
+
+    def _open_steps(self) -> weakref.WeakKeyDictionary:
+        steps = getattr(self._open, "steps", None)
+        if steps is None:
+            steps = self._open.steps = weakref.WeakKeyDictionary()
+        return steps
+
+    def _first_pass(self, inputs: StepInputs) -> PendingStep:
+        """Micro-batch 0 (the only pass without accumulation): the header,
+        the pass's entries, the device record, the pre-step weight copy."""
         if self.unwatched_layers is None:
             seen = {call.path.split("#")[0] for call in inputs.trace.calls}
             self.not_float_layers = [p for p in inputs.trace.not_float if p not in seen]
@@ -103,41 +161,128 @@ class StepRecorder:
         # The statistics backend, chosen once for the step being built: it
         # knows whether XLA compiles the step and holds this build's caches.
         stats = backend.for_current_graph(self.device_facts)
+        self.optimizer = inputs.optimizer if inputs.optimizer is not None else self.optimizer
+        self.built_for_xla = backend.in_xla()
+        accumulating = self.micro_batches > 1
         with tf.name_scope(STATS_SCOPE):
             made = step_stats.SchemaOnlyBuilder if schema_only else step_stats.StatsBuilder
-            builder = self.statistics.before_update(inputs, made(stats))
+            builder = made(stats)
+            grad_fields = self.statistics.before_update(
+                inputs, builder, 0 if accumulating else None
+            )
             # The buffer's width is known only now; create it before any use.
+            pass_size = builder.schema.size - builder.schema.header().size
             size = _vector_size_after_update(builder, inputs.weights)
+            size += (self.micro_batches - 1) * pass_size
             batch = self.device.ensure(
                 size, inputs.data, inputs.weights, stats, retrace=schema_only
             )
+            pending = PendingStep(builder, batch, [], weight_gradients)
+            pending.pass_entries = _pass_entries(builder.schema, 1)
+            pending.passes.append((inputs, grad_fields))
+            pending.batches.append(batch)
             if schema_only:
-                return PendingStep(builder, batch, [], weight_gradients)
-            weight_gradients = self.device.copy_pre_step_weights(
-                inputs.weights, builder.maybe_nonfinite, weight_gradients, stats
+                return pending
+            self._before_first_step()
+            pending.weight_gradients = self.device.copy_pre_step_weights(
+                inputs.weights,
+                builder.maybe_nonfinite,
+                weight_gradients,
+                stats,
+                optimizer_variables(inputs.optimizer),
             )
-        gradients = [g for g in inputs.grads if g is not None]
-        return PendingStep(builder, batch, gradients, weight_gradients)
+        pending.gradients = [g for g in inputs.grads if g is not None]
+        return pending
+
+    def _next_pass(self, pending: PendingStep, inputs: StepInputs) -> None:
+        """Micro-batch 1, 2, ...: its entries after the earlier passes'; the
+        pre-step copy again (the weights do not change within a step)."""
+        builder = pending.builder
+        index = len(pending.passes)
+        start = len(builder.schema.entries)
+        weight_gradients = list(inputs.grads[: len(inputs.weights)])
+        with tf.name_scope(STATS_SCOPE):
+            grad_fields = self.statistics.before_update(inputs, builder, index)
+            if _pass_entries(builder.schema, start) != pending.pass_entries:
+                raise StepPatternError(
+                    f"micro-batch {index} records other tensors than micro-batch 0 "
+                    "(other layers called, or other outputs): every micro-batch of a "
+                    "step must run the same model calls"
+                )
+            pending.passes.append((inputs, grad_fields))
+            pending.batches.append(
+                [t for t in tf.nest.flatten(inputs.data) if isinstance(t, tf.Tensor)]
+            )
+            if len(pending.passes) == self.micro_batches:
+                self.statistics.accumulated_header(builder, pending.passes)
+            if not builder.records_values:
+                pending.weight_gradients = weight_gradients
+                return
+            pending.weight_gradients = self.device.copy_pre_step_weights(
+                inputs.weights,
+                builder.maybe_nonfinite,
+                weight_gradients,
+                builder.stats,
+                optimizer_variables(inputs.optimizer),
+            )
+        pending.gradients += [g for g in inputs.grads if g is not None]
 
     def after_update(self, pending: PendingStep, weights: list) -> tf.Tensor:
         """Adds the update entries and writes the step's row; returns the row."""
+        self._close_step(pending)
         builder = pending.builder
         if not builder.records_values:  # a trace that never runs (see before_update)
+            # The update built the optimizer: its copies are made in this first
+            # trace (the trace that runs may not create variables).
+            variables = optimizer_variables(self.optimizer)
+            self.device.ensure_optimizer_copies(variables, builder.stats)
             return tf.zeros([self.device.row_width], tf.float32)
         with tf.name_scope(STATS_SCOPE):
             self.statistics.update(builder, weights)
             vector = builder.vector()
+            if self.device.restores:  # "skip"/"rewind": a non-finite step is undone
+                step_undo.undo_if_nonfinite(self.device, builder.schema, vector, builder.stats)
             if self.schema is None:
                 self.schema = builder.schema
+            batch = pending.batch
+            if len(pending.batches) > 1:
+                first = _first_nonfinite_pass(builder.schema, vector, len(pending.batches))
+                batch = _pick(first, pending.batches)
             row = self.device.write_row(
                 builder.schema,
                 vector,
                 builder.replica_first_nonfinite,
-                pending.batch,
+                batch,
                 builder.stats,
             )
         readers_first(pending.gradients)
         return row
+
+    def _close_step(self, pending: PendingStep) -> None:
+        """Ends the step this graph was building; a pattern error if it is
+        not ``pending`` or has too few passes."""
+        open_steps = self._open_steps()
+        graph = tf.compat.v1.get_default_graph()
+        if open_steps.get(graph) is not pending:
+            raise StepPatternError(
+                "rec.after_update() runs in another graph than the step's forward passes: "
+                "micro-batches inside a tf.while_loop (a tf.range loop) cannot be recorded; "
+                "loop over them with a Python range instead"
+            )
+        del open_steps[graph]
+        if len(pending.passes) != self.micro_batches:
+            raise StepPatternError(
+                f"the step ran {len(pending.passes)} forward pass(es) with "
+                f"micro_batches={self.micro_batches}: pass the number of micro-batches "
+                "each step runs"
+            )
+
+    def _before_first_step(self) -> None:
+        """On the first trace that runs, hands the state before the first
+        step to the rewind points (read eagerly)."""
+        if self.rewind is not None:
+            with tf.init_scope():
+                self.rewind.take_initial(self.model, self.optimizer, self.device)
 
     def _trace_never_runs(self, inputs: StepInputs) -> bool:
         """Whether tf.function will trace this step again and run only that
@@ -172,6 +317,8 @@ class StepRecorder:
         """
         try:
             return method(*args)
+        except StepPatternError:
+            raise  # the user's step, not the watcher, must change: say so at trace time
         except Exception as error:  # noqa: BLE001
             self.trace_error = error
             return None
@@ -204,7 +351,7 @@ class StepRecorder:
         ]
         layers = self.taps.layers
         for layer, path in layers:
-            if not isinstance(layer, keras.layers.RNN):
+            if not isinstance(layer, keras_kinds("layers.RNN")):
                 continue
             cell = getattr(layer, "cell", None)
             cells = getattr(cell, "cells", None) or ([cell] if cell is not None else [])
@@ -216,6 +363,15 @@ class StepRecorder:
                 if cell_path not in unwatched
             ]
         return notes
+
+
+def optimizer_variables(optimizer) -> list:
+    """The optimizer's variables (iterations, learning rate, slots) once it
+    is built, else []."""
+    if optimizer is None or not getattr(optimizer, "built", False):
+        return []
+    found = getattr(optimizer, "variables", [])  # a method in older optimizers
+    return list(found() if callable(found) else found)
 
 
 def _trace_creates_variables(inputs: StepInputs) -> bool:
@@ -232,6 +388,40 @@ def _trace_creates_variables(inputs: StepInputs) -> bool:
         return True
     metrics = getattr(inputs.model, "_compile_metrics", None)
     return metrics is not None and not getattr(metrics, "built", True)
+
+
+def _pass_entries(schema: Schema, start: int) -> list[tuple]:
+    """What one pass recorded from entry ``start`` on, without its micro-batch label."""
+    return [
+        (
+            e.phase,
+            e.kind,
+            e.layer,
+            e.tensor if e.micro_batch is None else e.tensor.split(": ", 1)[1],
+        )
+        for e in schema.entries[start:]
+    ]
+
+
+def _first_nonfinite_pass(schema: Schema, vector: tf.Tensor, passes: int) -> tf.Tensor:
+    """The index of the first micro-batch with a NaN/Inf entry (0 when none), in the graph."""
+    flags = []
+    for index in range(passes):
+        entries = [e for e in schema.entries if e.micro_batch == index]
+        counts = schema.indices(entries, "nan") + schema.indices(entries, "inf")
+        flags.append(tf.reduce_sum(tf.gather(vector, tf.constant(counts, tf.int32))) > 0)
+    flags.append(tf.constant(True))
+    first = tf.argmax(tf.cast(tf.stack(flags), tf.int32), output_type=tf.int32)
+    return tf.minimum(first, passes - 1)
+
+
+def _pick(index: tf.Tensor, batches: list[list[tf.Tensor]]) -> list[tf.Tensor]:
+    """The flat batch of micro-batch ``index`` (the stash keeps that one)."""
+    if any(len(b) != len(batches[0]) for b in batches):
+        return batches[0]
+    branches = [lambda b=b: [tf.identity(t) for t in b] for b in batches]
+    picked = tf.switch_case(index, branches)
+    return list(picked) if isinstance(picked, (list, tuple)) else [picked]
 
 
 def _vector_size_after_update(builder: step_stats.StatsBuilder, weights: list) -> int:

@@ -29,8 +29,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
-import posixpath
 import re
 import sysconfig
 import traceback
@@ -42,7 +42,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_nanwatch.record.bundle import REPLAY_FILE, ReproBundle
+from tb_nanwatch.evidence import run_dir_box
+from tb_nanwatch.record import bundle_files
+from tb_nanwatch.record.bundle import REPLAY_FILE, ReproBundle, match_arrays
 from tb_nanwatch.record.taps import layer_paths
 
 LossFn = Callable[..., Any]
@@ -122,15 +124,19 @@ def replay_step(
         return None
 
 
-def write_result(bundle: ReproBundle, origin: OpOrigin | None) -> str:
-    """Writes ``{"step", "op"}`` to ``<bundle dir>/replay.json``; returns its path."""
+def write_result(bundle: ReproBundle, origin: OpOrigin | None) -> str | None:
+    """Writes ``{"step", "op"}`` to ``<bundle dir>/replay.json``; returns its
+    path. Never through a symlink, never outside the run dir: a refused
+    write is one warning line and None."""
     if not bundle.directory:
         raise ValueError("bundle has no directory: load it with tb_nanwatch.load_bundle")
-    path = posixpath.join(bundle.directory, REPLAY_FILE)
     body = {"step": bundle.step, "op": None if origin is None else origin.to_json()}
-    with tf.io.gfile.GFile(path, "w") as f:
-        f.write(json.dumps(body, indent=1))
-    return path
+    text = json.dumps(body, indent=1)
+    try:
+        return bundle_files.write_member(bundle.directory, REPLAY_FILE, text.encode("utf-8"))
+    except run_dir_box.RunDirError as error:
+        logging.getLogger("tb_nanwatch").warning("NanWatch: %s", error)
+        return None
 
 
 def _replay(model: keras.Model, bundle: ReproBundle, loss_fn: LossFn | None) -> OpOrigin | None:
@@ -148,7 +154,32 @@ def _replay(model: keras.Model, bundle: ReproBundle, loss_fn: LossFn | None) -> 
             _name_in_graph(step, found)
         if step.loss is None:
             notes.append(_NO_LOSS)
-    return _verdict(found, incident, bundle.step, notes)
+    origin = _verdict(found, incident, bundle.step, notes)
+    if not origin.reproduced:
+        hint = not_reproduced_hint(bundle.info.get("run_facts") or {})
+        if hint:
+            origin = dataclasses.replace(origin, detail=f"{origin.detail}; {hint}")
+    return origin
+
+
+def not_reproduced_hint(facts: dict) -> str | None:
+    """What to try when the eager float32-checked replay differs from the
+    training: the step ran under XLA or mixed precision."""
+    hints = []
+    if facts.get("jit_compile"):
+        hints.append(
+            "the training step ran under XLA (jit_compile=True) and the replay runs "
+            "eagerly without it: XLA fuses ops and can overflow where eager does not; "
+            "train with jit_compile=False to see whether XLA makes the NaN"
+        )
+    if "float16" in str(facts.get("dtype_policy") or ""):
+        hints.append(
+            f"the training ran under mixed precision ({facts['dtype_policy']}) with a "
+            "scaled loss, the replay's gradients are not scaled: try the float32 policy "
+            "(keras.mixed_precision.set_global_policy('float32')) to see whether float16 "
+            "makes the NaN"
+        )
+    return "; ".join(hints) or None
 
 
 def _is_float(array: Any) -> bool:
@@ -190,16 +221,11 @@ def _load_weights(replica: keras.Model, model: keras.Model, bundle: ReproBundle)
     """The bundle's weights into ``replica``, matched by their place in ``model``.
 
     A clone's variable paths can differ from the model's (a nested model's
-    variables lose its name), its variable order does not.
+    variables lose its name), its variable order does not; a model rebuilt
+    elsewhere names them differently again (see ``match_arrays``).
     """
-    index = {v.path: i for i, v in enumerate(model.trainable_weights)}
-    targets = replica.trainable_weights
-    if len(targets) != len(index):
-        raise ValueError("the copy has other trainable weights than the model")
-    for path, value in bundle.weights.items():
-        target = targets[index[path]]
-        if tuple(target.shape) != value.shape:
-            raise ValueError(f"the copy's weight for {path} has shape {tuple(target.shape)}")
+    paths = [v.path for v in model.trainable_weights]
+    for target, value in match_arrays(bundle.weights, paths, replica.trainable_weights):
         target.assign(value)
 
 

@@ -6,7 +6,14 @@ The rule (README, "options"):
   ``log_dir``, unless ``log_dir`` already holds another run's record (event
   files written by NanWatch, or claimed by another watcher of this process):
   then into the first free ``<log_dir>/run_<N>`` (N = 2, 3, ...), with a
-  warning naming it. Two runs' records are never mixed in one run dir;
+  warning naming it. Two runs' records are never mixed in one run dir:
+  a watcher takes a local run dir by creating its lock file
+  ``.nanwatch-writer`` (``O_EXCL``, holding ``pid@host``); a second process
+  given the same ``log_dir``, even at the same moment, finds it taken and
+  writes to ``run_<N>`` as above. A lock left by a dead process of this host
+  over a dir with no record is taken over. (A remote ``log_dir``, ``gs://``,
+  has no exclusive create: there only the record and this process count.)
+  The path is taken literally: ``sweep/lr[0.1]`` is a name, never a pattern;
 * each later ``fit`` of the same ``NanWatch`` (freeze, then fine-tune) is a
   new *stage* of its run, written to ``<run dir>/stage_<N>`` (N = 2, 3, ...);
   a fit that recorded nothing does not use up a stage. Each stage is a run of
@@ -16,8 +23,11 @@ The rule (README, "options"):
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import posixpath
+import socket
 import threading
 
 import tensorflow as tf
@@ -28,27 +38,78 @@ logger = logging.getLogger("tb_nanwatch")
 
 _lock = threading.Lock()
 _claimed: set[str] = set()  # run dirs taken by a watcher of this process
+LOCK_FILE = ".nanwatch-writer"
 
 
 def holds_record(run_dir: str) -> bool:
-    """Whether ``run_dir`` holds a NanWatch event file (unreadable: no)."""
+    """Whether ``run_dir`` holds a NanWatch event file (unreadable: no).
+    Listed literally: no character of the path is a glob pattern."""
     try:
-        return bool(tf.io.gfile.glob(posixpath.join(run_dir, f"*{EVENT_FILE_SUFFIX}")))
+        names = tf.io.gfile.listdir(run_dir)
     except Exception:  # noqa: BLE001 - a dir we cannot list holds nothing of ours
         return False
+    return any(name.endswith(EVENT_FILE_SUFFIX) for name in names)
+
+
+def _owner() -> str:
+    return f"{os.getpid()}@{socket.gethostname()}"
+
+
+def _stale(lock_path: str) -> bool:
+    """A lock of a process of this host that has ended."""
+    try:
+        with open(lock_path, encoding="utf-8") as infile:
+            pid, _, host = infile.read(200).strip().partition("@")
+        if host != socket.gethostname() or not pid.isdigit():
+            return False
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def take_lock(run_dir: str) -> bool:
+    """Creates ``run_dir``'s lock file for this process; False when another
+    writer holds it. Remote dirs have no exclusive create: always True."""
+    if "://" in run_dir:
+        return True
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, LOCK_FILE)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:
+        if not (_stale(path) and not holds_record(run_dir)):
+            return False
+        os.unlink(path)  # a dead writer's claim over an empty dir
+        return take_lock(run_dir)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.EEXIST):
+            return False
+        raise
+    with os.fdopen(fd, "w", encoding="utf-8") as outfile:
+        outfile.write(_owner())
+    return True
+
+
+def _free(candidate: str) -> bool:
+    return candidate not in _claimed and not holds_record(candidate) and take_lock(candidate)
 
 
 def claim_run_dir(log_dir: str) -> str:
     """``log_dir``, or the first free ``<log_dir>/run_<N>`` when it is taken."""
     with _lock:
         candidate, number = log_dir, 1
-        while candidate in _claimed or holds_record(candidate):
+        while not _free(candidate):
             number += 1
             candidate = posixpath.join(log_dir, f"run_{number}")
         _claimed.add(candidate)
     if candidate != log_dir:
         logger.warning(
-            "NanWatch: log_dir %s already holds another run's record; this run is written to %s",
+            "NanWatch: log_dir %s already holds another run's record (or another process "
+            "writes it); this run is written to %s",
             log_dir,
             candidate,
         )

@@ -36,11 +36,15 @@ import tensorflow as tf
 
 from tb_nanwatch.evidence import causes
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.record import bundle, crash_safety, replay
+from tb_nanwatch.evidence.printable import printable, printable_lines
+from tb_nanwatch.record import bundle, crash_safety, replay, rewind, trials
 from tb_nanwatch.record.event_writer import RunWriter
 from tb_nanwatch.record.journal import RunJournal
 from tb_nanwatch.record.recorder import StepRecorder
+from tb_nanwatch.record.recovery import Recovery
+from tb_nanwatch.record.rewind import RewindNotTaken, RewindRing
 from tb_nanwatch.record.run_dirs import RunPlacement
+from tb_nanwatch.record.taps import variable_path
 
 logger = logging.getLogger("tb_nanwatch")
 
@@ -57,8 +61,9 @@ class NonFiniteError(RuntimeError):
 
 
 def describe_incident(incident: dict) -> str:
-    """The one-line description of an incident (console, ``NonFiniteError``)."""
-    return (
+    """The one-line description of an incident (console, ``NonFiniteError``);
+    names are made printable (no control character reaches the terminal)."""
+    return printable(
         f"first non-finite value ({incident['kind']}) at step {incident['step']} "
         f"(epoch {incident.get('epoch')}, batch {incident.get('batch')}), "
         f"born in the {incident['phase']} phase, {_where(incident)}"
@@ -165,7 +170,55 @@ def base_run_info(recorder: StepRecorder, model, optimizer, options: WatchOption
         "dtype_policy": getattr(getattr(model, "dtype_policy", None), "name", None),
         "loss_from_logits": loss_from_logits(getattr(model, "loss", None)),
         **_weights_at_start(model),
+        **_model_facts(model, optimizer),
     }
+
+
+# Optimizer settings the remedies read (a number, or None: the optimizer has none).
+OPTIMIZER_SETTINGS = ("epsilon", "clipnorm", "global_clipnorm", "clipvalue")
+MAX_LAYER_CLASSES = 200
+
+
+def _model_facts(model, optimizer) -> dict:
+    """What the remedies read of the model and optimizer: the layers' class
+    names and whether one is an attention layer, the optimizer's epsilon and
+    clipping, the model inputs' dtypes (integer inputs are ids). {} on failure."""
+    try:
+        layers = list(model._flatten_layers(include_self=False, recursive=True))
+        classes = {type(layer).__name__ for layer in layers}
+        attention = any(
+            "attention" in base.__name__.lower() for layer in layers for base in type(layer).__mro__
+        )
+        inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
+        settings = {name: _setting(inner, name) for name in OPTIMIZER_SETTINGS}
+        return {
+            "layer_classes": sorted(classes)[:MAX_LAYER_CLASSES],
+            "has_attention": attention,
+            "optimizer_settings": settings if inner is not None else None,
+            "input_dtypes": _input_dtypes(model),
+        }
+    except Exception as error:  # noqa: BLE001 - evidence only: never stop the watch for it
+        logger.warning("NanWatch could not read the model's layers or optimizer: %r", error)
+        return {}
+
+
+def _setting(optimizer, name: str) -> float | None:
+    value = getattr(optimizer, name, None)
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):  # a schedule or a tensor that is no number
+        return None
+
+
+def _input_dtypes(model) -> dict[str, str]:
+    from tb_nanwatch.record import io_names
+
+    try:
+        tensors = list(getattr(model, "inputs", None) or [])
+    except (AttributeError, ValueError):  # a model that was never called
+        return {}
+    names = io_names.input_names(model)
+    return {name: str(getattr(t, "dtype", "")) for name, t in zip(names, tensors, strict=False)}
 
 
 def _weights_at_start(model) -> dict:
@@ -175,7 +228,7 @@ def _weights_at_start(model) -> dict:
     the model has no weights yet (built lazily in the first step)."""
     try:
         variables = [v for v in model.weights if keras.backend.is_float_dtype(v.dtype)]
-        nonfinite = [v.path for v in variables if not np.isfinite(v.numpy()).all()]
+        nonfinite = [variable_path(v) for v in variables if not np.isfinite(v.numpy()).all()]
     except Exception as error:  # noqa: BLE001 - evidence only: never stop the watch for it
         logger.warning("NanWatch could not check the weights before training: %r", error)
         return {}
@@ -249,6 +302,21 @@ class WatchSession:
         self.step = 0
         self.epoch = 0
         self.batch_in_epoch = 0
+        # Rewind points: snapshots every rewind_every steps (None when off).
+        self.rewind: RewindRing | None = RewindRing.attach(recorder, options)
+        # "skip"/"rewind": the compiled step undoes a non-finite step; the
+        # host side counts, rewinds and stops (record/recovery.py).
+        if options.recovers and not hasattr(recorder.device, "pre_step_pairs"):
+            raise ValueError(
+                f"on_nonfinite={options.on_nonfinite!r} undoes a step inside a Keras model's "
+                "compiled step (fit or a StepWatcher loop); here use 'stop', 'raise' or 'continue'"
+            )
+        recorder.device.restores = options.recovers
+        self.recovery: Recovery | None = Recovery(self) if options.recovers else None
+        if self.recovery is not None:
+            self.run_info.update(self.recovery.summary())  # none yet, said from the start
+        # Whether the last end_step asked the front end to stop training.
+        self.stop_requested = False
 
     # -- per step ----------------------------------------------------------------
 
@@ -263,6 +331,7 @@ class WatchSession:
         (the front end then stops, or calls :meth:`raise_incident`); None
         otherwise. A failure of the watcher itself disables it (one warning).
         """
+        self.stop_requested = False
         if self.disabled or self.closed:
             return None
         if self.recorder.trace_error is not None:
@@ -270,13 +339,17 @@ class WatchSession:
             return None
         try:
             incident = self._record_new_steps()
+            self._keep_rewind_points()
         except Exception as error:  # noqa: BLE001 - never break the user's training
             self.disable(f"recording failed: {error!r}")
             return None
-        if incident is None:
-            return None
-        self.incident = incident
-        print(self._incident_message(incident), file=sys.stderr, flush=True)
+        if incident is not None:
+            self.incident = incident
+            print(self._incident_message(incident), file=sys.stderr, flush=True)
+        if self.recovery is not None and self.recovery.after_steps():
+            self.stop_requested = True
+        elif incident is not None and self.options.on_nonfinite == "stop":
+            self.stop_requested = True
         return incident
 
     def _incident_message(self, incident: dict) -> str:
@@ -291,11 +364,14 @@ class WatchSession:
         if self.journal.repro_bundle:
             path = posixpath.join(self.log_dir, self.journal.repro_bundle)
             lines.append(f"  reproduction bundle: {path}   (tb_nanwatch.load_bundle)")
-        return "\n".join(lines)
+        return printable_lines(lines)
 
     @property
     def stops_training(self) -> bool:
-        """Whether an incident was found and ``on_nonfinite="stop"``."""
+        """Whether an incident was found and ``on_nonfinite="stop"``, or a
+        recovering watcher gave up (``max_skips``, ``max_rewinds``)."""
+        if self.recovery is not None and self.recovery.stop_reason is not None:
+            return True
         return self.incident is not None and self.options.on_nonfinite == "stop"
 
     def raise_if_asked(self, incident: dict) -> None:
@@ -313,6 +389,10 @@ class WatchSession:
             self.journal = self._open_journal()
         first_incident = None
         for vector, replica_first_nonfinite in rows:
+            if self.rewind is not None:
+                self.rewind.note_step(self.step, vector, self.recorder.schema)
+            if self.recovery is not None:
+                self.recovery.note(self.step, vector, self.recorder.schema)
             incident = self.journal.submit(
                 self.step,
                 self.epoch,
@@ -325,6 +405,43 @@ class WatchSession:
             if incident is not None and first_incident is None:
                 first_incident = incident
         return first_incident
+
+    def _keep_rewind_points(self) -> None:
+        """Takes the snapshot that is due; saves the rewind point of an explosion
+        the journal confirmed (one a run; an explosion confirmed by the steps
+        still queued is saved first, while the older snapshot is kept)."""
+        ring = self.rewind
+        if ring is None or self.journal is None:
+            return
+        due = ring.due(self.step)
+        if not ring.tried:
+            if due:
+                self.journal.settle()
+            onset = self.journal.explosion_onset
+            if onset is not None:
+                self._save_rewind_point(self.step - 1, int(onset["step"]))
+        if due:
+            model, optimizer = self.recorder.model, self.recorder.optimizer
+            ring.take(self.step, model, optimizer, self.recorder.device)
+
+    def _save_rewind_point(self, through: int, onset: int | None) -> None:
+        """Saves the rewind point for the steps through ``through`` into the run
+        dir; its relative path (or why there is none) goes into the run
+        summary as ``rewind_point`` (``rewind_point_not_taken``). Never raises."""
+        ring = self.rewind
+        if ring is None or self.journal is None:
+            return
+        try:
+            found = {"rewind_point": ring.save(self.log_dir, self.recorder.device, through, onset)}
+        except RewindNotTaken as why:
+            found = {"rewind_point": None, "rewind_point_not_taken": str(why)}
+        except Exception as error:  # noqa: BLE001 - never break the user's training
+            warnings.warn(
+                f"NanWatch could not save the rewind point: {error!r}", RuntimeWarning, stacklevel=4
+            )
+            found = {"rewind_point": None, "rewind_point_not_taken": f"failed: {error!r}"}
+        # A new dict: the journal's worker may be writing the summary from the old one.
+        self.journal.run_info = {**self.journal.run_info, **found}
 
     def settled_journal(self) -> RunJournal | None:
         """The journal with every step submitted so far recorded (what the
@@ -343,7 +460,7 @@ class WatchSession:
         if not_watched:
             info["not_watched"] = not_watched
         report_not_watched(not_watched)
-        return RunJournal(
+        journal = RunJournal(
             self.log_dir,
             self.recorder.schema,
             info,
@@ -351,6 +468,9 @@ class WatchSession:
             writer=RunWriter(self.log_dir),
             before_incident=self._bundle_or_warning,
         )
+        # Ctrl-C in a notebook ends fit without on_train_end: see crash_safety.
+        crash_safety.close_when_call_ends(journal)
+        return journal
 
     def _replica_view(self, replica_first_nonfinite: np.ndarray) -> dict | None:
         """Which replica went non-finite first (only with several replicas)."""
@@ -397,14 +517,20 @@ class WatchSession:
             return None
 
     def _save_bundle(self, incident: dict) -> tuple[str, bool]:
-        """Writes the reproduction bundle (batch and pre-step weights)."""
+        """Writes the reproduction bundle (batch, pre-step weights and optimizer
+        state) and the rewind point."""
+        onset = (self.journal.explosion_onset or {}).get("step")
+        self._save_rewind_point(incident["step"], None if onset is None else int(onset))
         weights, batch, structure = self.recorder.device.pre_step_state()
+        optimizer = self.recorder.device.pre_step_optimizer()
         batch_step, weights_step = self.recorder.device.stashed_steps()
-        names = [v.path for v in self.recorder.watched_weights]
+        names = [variable_path(v) for v in self.recorder.watched_weights]
         if not weights:
             weights_step = None
         if self.options.pre_step_weights == "on_suspect" and incident["phase"] == "update":
             weights, weights_step = [], None
+        if weights_step is None:
+            optimizer = {}
         exact = batch_step == incident["step"] and (
             weights_step is None or weights_step == incident["step"]
         )
@@ -414,6 +540,7 @@ class WatchSession:
             "exact": exact,
             "pre_step_weights": self.options.pre_step_weights,
             "incident": incident,
+            "optimizer": optimizer,  # save_bundle writes it as arrays, not into bundle.json
         }
         strategy = self.recorder.strategy
         if strategy.num_replicas_in_sync > 1:
@@ -456,10 +583,90 @@ class WatchSession:
             return
         self.settled_journal()  # a failure of the worker thread is warned about, not lost
         self._name_the_op()
+        self._late_rewind_point()
         try:
             self.journal.close(status or self.final_status())
         except Exception as error:  # noqa: BLE001
             self.disable(f"could not close the record: {error!r}")
+            return
+        self._try_remedies()  # after the record is safe on disk: the trials take a while
+
+    def _late_rewind_point(self) -> None:
+        """An explosion the journal confirmed after the last step's check: its
+        rewind point is saved now, before the final summary names it. Without
+        a bundle (an explosion) the model goes beside the rewind point, for
+        ``tb-nanwatch replay`` elsewhere. Never raises."""
+        ring = getattr(self, "rewind", None)
+        onset = self.journal.explosion_onset
+        if ring is not None and not ring.tried and onset and not self.journal.first_nonfinite:
+            self._save_rewind_point(self.step - 1, int(onset["step"]))
+        where = self.journal.run_info.get("rewind_point")
+        if not where or self.journal.repro_bundle or self.worker is not None:
+            return
+        try:
+            bundle.save_model(
+                posixpath.join(self.log_dir, where),
+                self.recorder.model,
+                self.replay_loss,
+                getattr(self.recorder, "optimizer", None),
+                meta_file=bundle.MODEL_META,
+            )
+        except Exception as error:  # noqa: BLE001 - never break the end of training
+            warnings.warn(
+                f"NanWatch could not save the model beside the rewind point: {error!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _try_remedies(self) -> None:
+        """After training stopped at an incident or an explosion: tries each
+        remedy the cause offers on a copy of the model (``record/trials.py``),
+        writes ``repro/trials.json`` and prints the ranked "Tried" lines.
+        Never raises: a failure is one warning."""
+        journal = self.journal
+        incident, onset = journal.first_nonfinite, journal.explosion_onset
+        if not self.options.remedy_trials or self.worker is not None:
+            return
+        if self.recovery is not None and self.recovery.trials_ran:
+            return  # run at the incident, to choose the rewind's remedy
+        if incident is None and onset is None:
+            return
+        try:
+            cause = journal.cause()
+            if not cause or not cause.get("remedy_ids"):
+                return
+            found = trials.run_trials(
+                self.recorder.model, cause, self._trial_data(), self.replay_loss, self.options
+            )
+            if not found:
+                return
+            step = (incident or onset)["step"]
+            trials.write_trials(self.log_dir, step, cause, found)
+        except Exception as error:  # noqa: BLE001 - never break the end of training
+            warnings.warn(
+                f"NanWatch could not try the remedies: {error!r}", RuntimeWarning, stacklevel=3
+            )
+            return
+        lines = "\n".join(f"  {line}" for line in trials.tried_lines(found))
+        print(f"\nNanWatch remedies, tried on a copy of the model:\n{lines}", file=sys.stderr)
+
+    def _trial_data(self) -> trials.TrialData:
+        """The bundle, the rewind point (or why none) and the optimizer for the trials."""
+        summary = self.journal.summary()
+        data = trials.TrialData(optimizer=getattr(self.recorder, "optimizer", None))
+        data.optimizer = data.optimizer or getattr(self.recorder.model, "optimizer", None)
+        if self.journal.repro_bundle:
+            path = posixpath.join(self.log_dir, self.journal.repro_bundle)
+            data.bundle = bundle.load_bundle(path)
+        if self.options.rewind_every == 0:
+            data.rewind_missing = "rewind points are off (rewind_every=0)"
+        elif summary.get("rewind_point"):
+            data.rewind = rewind.load_rewind_point(
+                posixpath.join(self.log_dir, summary["rewind_point"])
+            )
+        else:
+            data.rewind_missing = summary.get("rewind_point_not_taken") or "none was saved"
+        return data
 
     def _name_the_op(self) -> None:
         """After training: replays the incident's step from its exact bundle to
@@ -472,6 +679,7 @@ class WatchSession:
             or not self.journal.repro_bundle_exact
             or incident["phase"] not in REPLAYED_PHASES
             or self.worker is not None  # no eager work beside a multi-worker cluster's peers
+            or not isinstance(self.recorder.model, keras.Model)  # a tf_keras model: no replay
         ):
             return
         try:

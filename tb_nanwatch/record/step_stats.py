@@ -54,9 +54,13 @@ class SchemaOnlyBuilder:
     def __init__(self, stats: StatsBackend) -> None:
         self.stats = stats  # the step's statistics backend
         self.schema = Schema()
+        self.micro_batch: int | None = None  # see StatsBuilder.micro_batch
 
     def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields) -> None:
-        self.schema.add(phase, kind, layer, tensor)
+        self.schema.add(phase, kind, layer, _labelled(tensor, self.micro_batch), self.micro_batch)
+
+    def replace_header(self, fields: dict) -> None:
+        """Nothing to replace: no values are recorded."""
 
 
 class StatsBuilder:
@@ -81,10 +85,15 @@ class StatsBuilder:
         # What maybe_nonfinite() answered, and for how many of _sum_specs.
         self._maybe_nonfinite: tf.Tensor | None = None
         self._checked = 0
+        # The micro-batch the entries added now belong to (gradient
+        # accumulation: several forward/backward passes in one step); None
+        # for a step with one pass.
+        self.micro_batch: int | None = None
 
     def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields) -> None:
         """Adds an entry; ``fields`` is its dict of values or a function returning it."""
-        entry = self.schema.add(phase, kind, layer, tensor)
+        micro_batch = self.micro_batch
+        entry = self.schema.add(phase, kind, layer, _labelled(tensor, micro_batch), micro_batch)
         if callable(fields):
             fields = fields()
         ops = _HEADER_OPS if kind == "header" else _FIELD_OPS
@@ -102,6 +111,15 @@ class StatsBuilder:
                 self._partials[group].append(self.stats.partial(value))
         if kind != "header":
             self._count_slots.append((slots["nan"], slots["inf"]))
+
+    def replace_header(self, fields: dict) -> None:
+        """Gives the header (the first entry) new values for ``fields`` (some
+        of its field names): a step with several micro-batches knows its loss
+        and gradient norm only after the last one."""
+        header = self.schema.header()
+        for name, (group, index) in zip(header.fields, self._layout, strict=False):
+            if name in fields:
+                self._partials[group][index] = self.stats.partial(fields[name])
 
     def _group_size(self, group: str) -> int:
         return len(self._sum_specs) if group == "sum" else len(self._partials[group])
@@ -213,6 +231,11 @@ class StatsBuilder:
         index = [offsets[g] + i for g, i in self._layout]
         flat = tf.concat([stacked["extremes"], norms, sums], 0)
         return tf.gather(flat, self.stats.graph_constant(np.array(index, np.int32)))
+
+
+def _labelled(tensor: str, micro_batch: int | None) -> str:
+    """The entry's text, with its micro-batch in front when it has one."""
+    return tensor if micro_batch is None else f"micro-batch {micro_batch}: {tensor}"
 
 
 def _stack(values: list) -> tf.Tensor:

@@ -10,6 +10,7 @@ traced step the wrapper only forwards the call: the model's math is untouched.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from typing import Any
 
@@ -118,6 +119,27 @@ def _own_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tf.Tensor]
     return args, kwargs, copies
 
 
+def keras_kinds(name: str) -> tuple[type, ...]:
+    """Keras 3's ``keras.<name>`` (``Model``, ``layers.InputLayer``), and
+    tf_keras' too when a program has imported it (a tf_keras model under
+    ``fit``); tf_keras is never imported here."""
+    found = []
+    for module in (keras, sys.modules.get("tf_keras")):
+        item = module
+        for part in name.split("."):
+            item = getattr(item, part, None) if item is not None else None
+        if isinstance(item, type):
+            found.append(item)
+    return tuple(found)
+
+
+def variable_path(v) -> str:
+    """A variable's path (``dense/kernel``): Keras 3's ``path``, else its
+    TensorFlow name without the output index (a tf_keras variable)."""
+    path = getattr(v, "path", None)
+    return path if isinstance(path, str) else v.name.split(":")[0]
+
+
 def layer_paths(model: keras.Model) -> dict[int, str]:
     """Maps ``id(layer)`` to a path such as ``backbone/block2_conv``.
 
@@ -128,7 +150,7 @@ def layer_paths(model: keras.Model) -> dict[int, str]:
 
     def visit(layer: keras.layers.Layer, prefix: str) -> None:
         for child in layer._flatten_layers(include_self=False, recursive=False):
-            if id(child) in paths or isinstance(child, keras.layers.InputLayer):
+            if id(child) in paths or isinstance(child, keras_kinds("layers.InputLayer")):
                 continue
             path = f"{prefix}{child.name}"
             paths[id(child)] = path
@@ -149,7 +171,7 @@ def watched_layers(model: keras.Model) -> list[tuple[keras.layers.Layer, str]]:
     paths = layer_paths(model)
     layers = []
     for layer in model._flatten_layers(include_self=False, recursive=True):
-        if isinstance(layer, (keras.Model, keras.layers.InputLayer)):
+        if isinstance(layer, keras_kinds("Model") + keras_kinds("layers.InputLayer")):
             continue
         if id(layer) in paths:
             layers.append((layer, paths[id(layer)]))
@@ -181,7 +203,10 @@ class LayerTaps:
         """Maps ``id(variable)`` to the path of the watched layer that owns it."""
         owners: dict[int, str] = {}
         for layer, path in self._layers:
-            for v in getattr(layer, "_trainable_variables", []):
+            own = getattr(layer, "_trainable_variables", None)
+            if own is None:  # a tf_keras layer
+                own = getattr(layer, "_trainable_weights", [])
+            for v in own:
                 owners.setdefault(id(v), path)
         return owners
 

@@ -29,6 +29,15 @@ from tb_nanwatch.record.unseen_variables import built_unseen, seen_creations
 ROW_KEY = "_nanwatch_row"
 
 
+def is_compiled(model: keras.Model) -> bool:
+    """Whether ``model`` was compiled with an optimizer (``fit`` can train it)."""
+    return bool(getattr(model, "compiled", False)) and model.optimizer is not None
+
+
+def steps_per_execution(model: keras.Model) -> int:
+    return getattr(model, "steps_per_execution", 1) or 1
+
+
 def overrides_train_step(model: keras.Model) -> bool:
     """Whether ``model``'s class has its own ``train_step`` (not instrumentable)."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer

@@ -12,7 +12,13 @@ applies). A rule's test is a verdict test, a sign test, or both:
   that holds wins::
 
       {"id": str, "summary": str, "evidence": {name: number | str | list},
-       "remedies": [text, ...], "remedy_ids": [remedy id, ...]}
+       "remedies": [{"id": str, "text": str, "trial": {...} | None}, ...],
+       "remedy_ids": [remedy id, ...]}
+
+  ranked: the record's remedy trials first put the fixes that keep the loss
+  going down, then the other fixes, the remedies not tried, and last those
+  that were tried and did not help (:func:`tb_nanwatch.evidence.trials.rank`;
+  a ``trial`` is :func:`tb_nanwatch.evidence.trials.trial_json`);
 
 * **sign** (:func:`compute_hints`): a hint on the incident card, given only
   when the data supports it, every sign that holds, in table order::
@@ -37,7 +43,13 @@ before them):
   every weight checked once when training begins;
 * ``"dtype_policy": "mixed_float16" | "float32" | ...``: the Keras policy;
 * ``"loss_from_logits": bool | null``: whether the loss reads logits;
-* ``"optimizer": str``: the optimizer's type name.
+* ``"optimizer": str``: the optimizer's type name;
+* ``"optimizer_settings": {"epsilon", "clipnorm", "global_clipnorm",
+  "clipvalue"}``: each a number, or null when the optimizer has none;
+* ``"has_attention": bool``, ``"layer_classes": [class name, ...]``: whether
+  a layer is an attention layer, and the layers' class names;
+* ``"input_dtypes": {input name: dtype}``: integer inputs are ids, not values
+  whose scale matters.
 
 Pure Python and NumPy, no TensorFlow.
 """
@@ -47,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from tb_nanwatch.evidence import remedies
+from tb_nanwatch.evidence import remedies, trials
 from tb_nanwatch.evidence.causes import data, growth, math_errors, optimizer, precision
 from tb_nanwatch.evidence.causes.case import (
     SATURATED_LOGIT,
@@ -74,6 +86,7 @@ __all__ = [
     "diagnose",
     "input_rows",
     "offered",
+    "remedy_text",
 ]
 
 Test = Callable[[Case], Finding | None]
@@ -118,10 +131,6 @@ def _probabilities(f: Facts) -> bool:
 
 def _saturated_or_probabilities(f: Facts) -> bool:
     return f.evidence.get("saturated") is True or f.evidence.get("outputs_probabilities") is True
-
-
-def _loss_reads_logits(f: Facts) -> bool:
-    return f.loss_from_logits is True
 
 
 def _inf(f: Facts) -> bool:
@@ -170,6 +179,17 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "unscaled_data",
+        "Data far from unit scale",
+        verdict=data.unscaled_data,
+        remedies=(
+            Offer("normalize_inputs"),
+            Offer("scale_targets"),
+            Offer("lower_lr"),
+            Offer("clip_gradients"),
+        ),
+    ),
+    Rule(
         "growth_overflow",
         "Overflow after growth",
         verdict=growth.growth_overflow,
@@ -178,6 +198,8 @@ RULES: tuple[Rule, ...] = (
             Offer("clip_gradients"),
             Offer("lr_warmup"),
             Offer("from_logits", when=_probabilities),
+            Offer("normalize_inputs"),
+            Offer("scale_targets"),
         ),
     ),
     Rule(
@@ -201,7 +223,8 @@ RULES: tuple[Rule, ...] = (
             Offer("clip_predictions"),
             Offer("from_logits"),
             Offer("lower_lr", when=_saturated_or_probabilities),
-            Offer("fix_code", when=_loss_reads_logits),
+            Offer("scale_targets"),
+            Offer("fix_code"),
         ),
     ),
     Rule(
@@ -230,6 +253,7 @@ RULES: tuple[Rule, ...] = (
         sign=growth.explosion_sign,
         title="Training is exploding",
         remedies=(
+            Offer("fix_schedule", when=lambda f: f.evidence.get("lr_change") is not None),
             Offer("lower_lr"),
             Offer("clip_gradients"),
             Offer("lr_warmup"),
@@ -297,7 +321,7 @@ def compute_hints(rec: Record) -> list[dict]:
             hints.append(
                 {
                     "id": rule.id,
-                    "title": rule.title or rule.label,
+                    "title": finding.title or rule.title or rule.label,
                     "text": finding.text,
                     "evidence": clean_evidence(finding.evidence),
                 }
@@ -306,11 +330,23 @@ def compute_hints(rec: Record) -> list[dict]:
 
 
 def describe(cause: dict | None) -> str:
-    """The cause in one line (the console message at the incident)."""
+    """The cause in one line (the console message at the incident): the best
+    remedy and, when it was tried, how its trial went."""
     if not cause:
         return "cause: none (no NaN/Inf, no explosion)"
-    remedy = f" First try: {cause['remedies'][0]}" if cause.get("remedies") else ""
+    remedy = ""
+    if cause.get("remedies"):
+        first = cause["remedies"][0]
+        remedy = f" First try: {remedy_text(first)}"
+        trial = first.get("trial") if isinstance(first, dict) else None
+        if isinstance(trial, dict) and trial.get("text"):
+            remedy += f" ({trial['text']})"
     return f"cause {cause['id']}: {cause['summary']}{remedy}"
+
+
+def remedy_text(remedy: dict | str) -> str:
+    """A cause's remedy as text (a remedy dict's ``text``; older causes: the text)."""
+    return str(remedy.get("text", "")) if isinstance(remedy, dict) else str(remedy)
 
 
 def offered(rule: Rule, facts: Facts) -> list[str]:
@@ -336,12 +372,23 @@ def _verdict(rule: Rule, case: Case, finding: Finding) -> dict:
         summary=case.rec.summary,
         mixed_precision=case.mixed_precision(),
         outputs_probabilities=case.outputs_probabilities(),
+        incident=case.incident,
+        scales=case.data_scales(),
+        layers=tuple(str(e.layer) for e in case.rec.schema.find(kind="activation")),
     )
-    ids = offered(rule, facts)
+    ids = trials.rank(offered(rule, facts), case.rec.trials)
+    tried = trials.by_remedy(case.rec.trials)
     return {
         "id": rule.id,
         "summary": finding.text,
         "evidence": evidence,
-        "remedies": [remedies.CATALOGUE[i].text(facts) for i in ids],
+        "remedies": [
+            {
+                "id": i,
+                "text": remedies.CATALOGUE[i].text(facts),
+                "trial": trials.trial_json(tried[i]) if i in tried else None,
+            }
+            for i in ids
+        ],
         "remedy_ids": ids,
     }

@@ -14,12 +14,16 @@ import numpy as np
 
 from tb_nanwatch.evidence import diagnosis
 from tb_nanwatch.evidence.recorded import Record, Series
+from tb_nanwatch.evidence.remedies import DataScale
 from tb_nanwatch.evidence.schema import Entry
 
 # A final sigmoid/softmax whose |logit| is above this outputs exactly 0 or 1 in float32.
 SATURATED_LOGIT = 15.0
 MAX_LISTED = 10
 MAGNITUDE_KINDS = ("input", "activation", "logits")
+# Input names that say nothing: such an input is "the model input".
+GENERIC_INPUT_NAMES = ("input", "inputs")
+MODEL_INPUT = "model input "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +32,7 @@ class Finding:
 
     text: str
     evidence: dict
+    title: str | None = None  # a sign's title when it differs from its rule's
 
 
 @dataclasses.dataclass
@@ -76,7 +81,48 @@ class Case:
         """The incident in words: kind, step, phase and where."""
         kind = diagnosis.KIND_TEXT.get(str(self.incident.get("kind")), "NaN or Inf")
         where = self.incident.get("layer") or self.incident.get("tensor")
+        if self.incident.get("phase") == "input":
+            where = tensor_words(self.incident.get("tensor"))
         return f"{kind} at step {self.step} in the {self.incident.get('phase')} phase ({where})"
+
+    def output_word(self) -> str:
+        """ "logits" where the model outputs feed a sigmoid/softmax or a
+        from-logits loss, else "outputs" (a regression's outputs are no logits)."""
+        reads_logits = self.rec.summary.get("loss_from_logits") is True
+        return "logits" if reads_logits or self.outputs_probabilities() else "outputs"
+
+    def data_scales(self) -> tuple[DataScale, ...]:
+        """The range of each model input and target over the flight window's
+        steps up to the incident (finite steps only); integer id inputs
+        (recorded ``input_dtypes``) left out."""
+        flight = self.rec.flight
+        if flight is None or not flight.matrix.shape[0]:
+            return ()
+        last = self.step if self.step is not None else flight.steps[-1]
+        vectors = [flight.vector(s) for s in flight.steps if s <= last]
+        scales = []
+        for entry in self.rec.schema.find(phase="input", kind="input"):
+            if not is_target(entry) and _id_input(self.rec.summary, entry.layer):
+                continue
+            finite = [v for v in vectors if not diagnosis.entry_nonfinite(v, entry)]
+            if not finite:
+                continue
+            low = min(float(v[entry.index("min")]) for v in finite)
+            high = max(float(v[entry.index("max")]) for v in finite)
+            if math.isfinite(low) and math.isfinite(high):
+                words = tensor_words(entry.tensor)
+                scales.append(DataScale(str(entry.layer), words, low, high, is_target(entry)))
+        return tuple(scales)
+
+    def first_loss(self) -> tuple[int | None, float | None]:
+        """(the first recorded step, its loss): from the series, else the flight window."""
+        series = self.rec.series
+        if series is not None and len(series) and "loss" in series.columns:
+            return int(series.steps[0]), float(series.columns["loss"][0])
+        flight = self.rec.flight
+        if flight is not None and flight.matrix.shape[0]:
+            return flight.first_step, self.header("loss", flight.first_step)
+        return None, None
 
     def mixed_precision(self) -> bool:
         """A float16 Keras policy (or, not recorded, a loss scale at the step)."""
@@ -89,6 +135,26 @@ class Case:
     def outputs_probabilities(self) -> bool:
         """A model output ends in a sigmoid/softmax (its logits were recorded before it)."""
         return any(e.before_final_activation for e in self.rec.schema.find(kind="logits"))
+
+
+def _id_input(summary: dict, name: str | None) -> bool:
+    """Whether the model input ``name`` was recorded as an integer (ids, not values)."""
+    dtypes = summary.get("input_dtypes")
+    dtype = dtypes.get(name) if isinstance(dtypes, dict) else None
+    return isinstance(dtype, str) and ("int" in dtype or dtype == "bool")
+
+
+def tensor_words(tensor: object) -> str:
+    """A recorded tensor as the texts name it: a model input by its name in
+    quotes (``model input 'price'``), or ``the model input`` when its name
+    says nothing; never "model input input"."""
+    text = str(tensor)
+    if text.startswith(MODEL_INPUT):
+        name = text[len(MODEL_INPUT) :]
+        return "the model input" if name in GENERIC_INPUT_NAMES else f"{MODEL_INPUT}'{name}'"
+    if text == "target" or text.startswith("target for output "):
+        return f"the {text}"
+    return text
 
 
 def clean_evidence(evidence: dict) -> dict:
@@ -183,15 +249,37 @@ def predecessors(case: Case, origin: Entry) -> list[Entry]:
     return before
 
 
-def largest_layer(case: Case) -> tuple[str | None, float | None]:
-    """The forward tensor with the largest finite max |x| at the incident step."""
+def largest_tensor(case: Case) -> tuple[Entry | None, float | None]:
+    """The forward tensor (a model input or a layer's output) with the largest
+    finite max |x| at the incident step."""
     vector = case.vector
     if vector is None:
         return None, None
-    best, name = -1.0, None
+    best, found = -1.0, None
     for entry in case.rec.schema.diagnosed():
         if entry.kind in MAGNITUDE_KINDS and not diagnosis.entry_nonfinite(vector, entry):
             magnitude = max_abs(vector, entry)
             if math.isfinite(magnitude) and magnitude > best:
-                best, name = magnitude, entry.layer or entry.tensor
-    return name, (best if name is not None else None)
+                best, found = magnitude, entry
+    return found, (best if found is not None else None)
+
+
+def largest_layer(case: Case) -> tuple[str | None, float | None]:
+    """:func:`largest_tensor` by name: the layer's, or the model input's words."""
+    entry, largest = largest_tensor(case)
+    return (entry_name(entry) if entry is not None else None), largest
+
+
+def entry_name(entry: Entry) -> str:
+    """A forward entry's name in the texts: its layer, or a model input's words."""
+    if entry.kind == "input" or not entry.layer:
+        return tensor_words(entry.tensor)
+    return entry.layer
+
+
+def output_words(entry: Entry) -> str:
+    """What the texts say for the values of a forward entry: ``dense_2's
+    output``, ``the model input``."""
+    if entry.kind == "input" or not entry.layer:
+        return tensor_words(entry.tensor)
+    return f"{entry.layer}'s output"

@@ -1,11 +1,28 @@
-"""Rules on the data: weights broken before training, a batch that held NaN/Inf."""
+"""Rules on the data: weights broken before training, a batch that held NaN/Inf,
+inputs or targets far from unit scale."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from tb_nanwatch.evidence import diagnosis
-from tb_nanwatch.evidence.causes.case import MAX_LISTED, Case, Finding, count, weights_at_start
+from tb_nanwatch.evidence.causes.case import (
+    MAX_LISTED,
+    Case,
+    Finding,
+    count,
+    tensor_words,
+    weights_at_start,
+)
+from tb_nanwatch.evidence.causes.growth import growth_candidates
+from tb_nanwatch.evidence.remedies import fmt
+
+# Unscaled data: the loss at the first recorded step is at least this (or
+# Inf), and the incident comes within EARLY_STEPS of it or after a growth.
+HUGE_LOSS = 1e3
+EARLY_STEPS = 50
 
 
 def nonfinite_weights(case: Case) -> Finding | None:
@@ -69,7 +86,7 @@ def input_data(case: Case) -> Finding | None:
     if entry is not None and vector is not None:
         values = count(vector, entry)
     kind = str(case.incident.get("kind", "nan"))
-    tensor = str(case.incident.get("tensor"))
+    tensor = tensor_words(case.incident.get("tensor"))
     rows = input_rows(case.batch)
     evidence = {"tensor": tensor, "kind": kind, "step": case.step, "nonfinite_values": values}
     if rows:
@@ -88,7 +105,7 @@ def input_nonfinite(case: Case) -> Finding | None:
     rec = case.rec
     if rec.phase != "input" or rec.step is None:
         return None
-    name = rec.incident.get("layer") or rec.incident.get("tensor") or "an input"
+    name = tensor_words(rec.incident.get("tensor") or rec.incident.get("layer") or "an input")
     kind = rec.incident.get("kind", "nan")
     clean_before = None
     entry = next(
@@ -102,7 +119,7 @@ def input_nonfinite(case: Case) -> Finding | None:
                 break
             clean_before += 1
     text = (
-        f"Input {name} contained {kind.upper()} at step {rec.step}"
+        f"{name[:1].upper()}{name[1:]} contained {kind.upper()} at step {rec.step}"
         f" (epoch {rec.incident.get('epoch')}, batch {rec.incident.get('batch')}): "
         "the model was fed non-finite data. Check the data pipeline (missing values, "
         "divisions by zero or log of 0 in preprocessing)"
@@ -113,4 +130,37 @@ def input_nonfinite(case: Case) -> Finding | None:
     return Finding(
         text,
         {"input": name, "kind": kind, "step": rec.step, "finite_steps_before": clean_before},
+    )
+
+
+def unscaled_data(case: Case) -> Finding | None:
+    """A model input or target far from unit scale, a loss huge from the first
+    recorded step, and an overflow soon after: the data's scale, not the rate."""
+    far = [s for s in case.data_scales() if s.far]
+    first_step, loss = case.first_loss()
+    if not far or first_step is None or loss is None or math.isnan(loss) or loss < HUGE_LOSS:
+        return None
+    if case.step is None or (case.step - first_step > EARLY_STEPS and not growth_candidates(case)):
+        return None
+    far.sort(key=lambda s: -s.max_abs)
+    inputs = [s for s in far if not s.target]
+    targets = [s for s in far if s.target]
+    seen = "; ".join(s.text() for s in (inputs[:2] + targets[:1]))
+    return Finding(
+        f"The data is far from unit scale ({seen}) and the loss was {fmt(loss)} from step "
+        f"{first_step} on, until {case.text()}: the gradients grow with the data, so the "
+        "first updates overshoot and overflow.",
+        {
+            "inputs_far": [s.words for s in inputs][:MAX_LISTED] or None,
+            "input": inputs[0].words if inputs else None,
+            "input_min": inputs[0].low if inputs else None,
+            "input_max": inputs[0].high if inputs else None,
+            "target": targets[0].words if targets else None,
+            "target_min": targets[0].low if targets else None,
+            "target_max": targets[0].high if targets else None,
+            "first_loss": loss,
+            "first_step": first_step,
+            "step": case.step,
+            "lr": case.header("lr", first_step),
+        },
     )

@@ -12,7 +12,15 @@ import math
 import numpy as np
 
 from tb_nanwatch.evidence import diagnosis
-from tb_nanwatch.evidence.causes.case import Case, Finding, abs_logits, largest_layer, signal
+from tb_nanwatch.evidence.causes.case import (
+    Case,
+    Finding,
+    abs_logits,
+    entry_name,
+    largest_tensor,
+    output_words,
+    signal,
+)
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.recorded import Series
 from tb_nanwatch.evidence.remedies import fmt
@@ -84,16 +92,18 @@ def growth_overflow(case: Case) -> Finding | None:
     if not candidates:
         return None
     onset = candidates[0]
-    grown = onset["signal"] + (f" of {onset['layer']}" if onset.get("layer") else "")
-    layer, largest = largest_layer(case)
+    signal_words = signal_text(case, onset["signal"])
+    grown = signal_words + (f" of {onset['layer']}" if onset.get("layer") else "")
+    entry, largest = largest_tensor(case)
+    layer = entry_name(entry) if entry is not None else None
     return Finding(
         f"The {grown} grew {fmt(onset['factor'])}x from step {onset['step']} on, until "
         f"the first non-finite value ({case.text()}) overflowed: training was exploding"
-        + (f"; {layer}'s output had already reached {fmt(largest)}" if layer else "")
+        + (f"; {output_words(entry)} had already reached {fmt(largest)}" if entry else "")
         + ".",
         {
             "onset_step": onset["step"],
-            "signal": onset["signal"],
+            "signal": signal_words,
             "layer": onset.get("layer"),
             "growth_factor": onset["factor"],
             "first_nonfinite_step": case.step,
@@ -104,26 +114,53 @@ def growth_overflow(case: Case) -> Finding | None:
     )
 
 
+def signal_text(case: Case, name: str) -> str:
+    """A signal as the texts name it: the model's outputs are "logits" only
+    where they feed a sigmoid/softmax or a from-logits loss."""
+    return case.output_word() if name == "logits" else name
+
+
 def explosion(case: Case) -> Finding | None:
     """No NaN/Inf, but an explosion onset."""
     onset = case.rec.explosion
     if not onset or not isinstance(onset.get("step"), int):
         return None
-    step, name = onset["step"], str(onset.get("signal"))
+    step, name = onset["step"], signal_text(case, str(onset.get("signal")))
     where = f" of {onset['layer']}" if onset.get("layer") else ""
     factor = onset.get("factor")
+    jump = lr_jump(onset)
+    jump_text = (
+        f"; the learning rate jumped from {fmt(jump['from'])} to {fmt(jump['to'])} at step "
+        f"{jump['step']}"
+        if jump
+        else ""
+    )
     return Finding(
         f"The {name}{where} exploded from step {step} on"
         + (f" ({fmt(factor)}x its reference level)" if factor is not None else "")
-        + ", without NaN/Inf so far.",
+        + f", without NaN/Inf so far{jump_text}.",
         {
             "onset_step": step,
             "signal": name,
             "layer": onset.get("layer"),
             "growth_factor": factor,
-            "lr": case.header("lr", step),
+            "lr": jump["to"] if jump else case.header("lr", step),
+            "lr_before": jump["from"] if jump else None,
+            "lr_change": jump,
         },
     )
+
+
+def lr_jump(onset: dict) -> dict | None:
+    """The explosion record's learning-rate jump before the onset ``{"step",
+    "from", "to"}`` (finite numbers), or None."""
+    jump = onset.get("lr_change")
+    if not isinstance(jump, dict) or not isinstance(jump.get("step"), int):
+        return None
+    values = [jump.get("from"), jump.get("to")]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+        return None
+    return {"step": jump["step"], "from": float(values[0]), "to": float(values[1])}
 
 
 def explosion_sign(case: Case) -> Finding | None:
@@ -147,17 +184,23 @@ def explosion_sign(case: Case) -> Finding | None:
         return None
     lr = rec.series.value("lr", onset)
     lr_text = f" (lr = {fmt(lr, 4)} at onset)" if lr is not None and lr > 0 else ""
+    name = signal_text(case, name)
+    # One ratio per signal: the record's factor (value / reference level), the
+    # card's; the series' peak / median only for a record written without it.
+    factor, value, reference = (rec.explosion.get(k) for k in ("factor", "value", "reference"))
+    if not all(isinstance(v, (int, float)) for v in (factor, value, reference)):
+        factor, value, reference = peak / median, peak, median
     return Finding(
-        f"The {name} started to explode at step {onset}: it peaked at {fmt(peak, 4)}, "
-        f"{peak / median:.3g}x its median before ({fmt(median, 4)}), without NaN/Inf so "
+        f"The {name} started to explode at step {onset}: it reached {fmt(value, 4)}, "
+        f"{fmt(factor)}x its reference level ({fmt(reference, 4)}), without NaN/Inf so "
         f"far. Lower the learning rate{lr_text} or clip gradients (clipnorm / "
         "global_clipnorm).",
         {
             "step": onset,
             "signal": name,
-            "median_before": median,
-            "peak": peak,
-            "ratio": peak / median,
+            "value": value,
+            "reference": reference,
+            "factor": factor,
             "lr": lr if lr is not None and math.isfinite(lr) else None,
         },
     )
@@ -167,6 +210,18 @@ OVERCONFIDENT = (
     "The model is becoming over-confident: lower the learning rate, add label "
     "smoothing or regularization, and compute the loss from logits."
 )
+OUTPUTS_GROWING = (
+    "The outputs kept growing: lower the learning rate or clip gradients, and check "
+    "the scale of the targets."
+)
+OUTPUTS_TITLE = "Outputs grew until the loss broke"
+
+
+def _rising_words(case: Case) -> tuple[str, str, str | None]:
+    """(the quantity, the advice, the sign's title) for logits or a regression's outputs."""
+    if case.output_word() == "logits":
+        return "|logit|", OVERCONFIDENT, None
+    return "|output|", OUTPUTS_GROWING, OUTPUTS_TITLE
 
 
 def logits_rising(case: Case) -> Finding | None:
@@ -194,11 +249,12 @@ def logits_rising(case: Case) -> Finding | None:
     rises = end - first
     low, high = float(values[first]), float(values[end])
     if rises >= MIN_RISING_STEPS and high >= MIN_RISING_GROWTH * low:
+        what, advice, title = _rising_words(case)
         return Finding(
-            f"The largest |logit| rose for {rises} consecutive steps, from {fmt(low, 4)} "
+            f"The largest {what} rose for {rises} consecutive steps, from {fmt(low, 4)} "
             f"(step {int(steps[first])}) to {fmt(high, 4)} (step {int(steps[end])}), before "
             f"the loss became {rec.incident.get('kind', 'non-finite')} at step {rec.step}. "
-            + OVERCONFIDENT,
+            + advice,
             {
                 "steps": rises,
                 "first": low,
@@ -206,6 +262,7 @@ def logits_rising(case: Case) -> Finding | None:
                 "first_step": int(steps[first]),
                 "last_step": int(steps[end]),
             },
+            title,
         )
     return _logits_trend(case, values, steps, end)
 
@@ -224,12 +281,13 @@ def _logits_trend(case: Case, values: np.ndarray, steps: np.ndarray, end: int) -
     if not increasing or not medians[-1] >= TREND_GROWTH * medians[0]:
         return None
     first_step, last_step = int(window_steps[0]), int(window_steps[-1])
+    what, advice, title = _rising_words(case)
     return Finding(
-        f"The largest |logit| climbed steadily over the {len(window)} steps before the "
+        f"The largest {what} climbed steadily over the {len(window)} steps before the "
         f"incident: its median over {TREND_SEGMENTS} successive stretches went "
         + " -> ".join(fmt(m, 4) for m in medians)
         + f" (steps {first_step}-{last_step}), before the loss became "
-        f"{case.incident.get('kind', 'non-finite')} at step {case.step}. " + OVERCONFIDENT,
+        f"{case.incident.get('kind', 'non-finite')} at step {case.step}. " + advice,
         {
             "steps": len(window),
             "first": medians[0],
@@ -237,6 +295,7 @@ def _logits_trend(case: Case, values: np.ndarray, steps: np.ndarray, end: int) -
             "first_step": first_step,
             "last_step": last_step,
         },
+        title,
     )
 
 

@@ -22,6 +22,7 @@ from tb_nanwatch.evidence.causes.case import (
     largest_layer,
     max_abs,
     predecessors,
+    tensor_words,
     weights_before,
 )
 from tb_nanwatch.evidence.remedies import fmt
@@ -63,20 +64,21 @@ def forward_math(case: Case) -> Finding | None:
     weights = weights_before(case, layer)
     if weights is None:
         return None  # the layer's own weights may have been broken already
-    largest = max(inputs, key=lambda pair: pair[0], default=(None, None))
+    # The layer's own input: the tensor recorded just before its output.
+    own, own_max = (inputs[-1][1], inputs[-1][0]) if inputs else (None, None)
+    own_words = tensor_words(own.tensor) if own is not None else None
+    seen = f" ({own_words}, largest |x| {fmt(own_max)})" if own is not None else ""
     return Finding(
-        f"{layer} turned finite inputs of ordinary size (largest |x| {fmt(largest[0])}) "
-        f"into {case.text()}: a math error inside the layer.",
+        f"{layer} turned a finite input of ordinary size{seen} into {case.text()}: a math "
+        "error inside the layer.",
         {
             "layer": layer,
             "tensor": case.incident.get("tensor"),
             "kind": case.incident.get("kind"),
             "step": case.step,
             "nonfinite_values": count(vector, origin),
-            "input_max_abs": largest[0],
-            "input_tensor": largest[1].tensor if largest[1] is not None else None,
-            "previous_tensor": inputs[-1][1].tensor if inputs else None,
-            "previous_max_abs": inputs[-1][0] if inputs else None,
+            "input_tensor": own_words,
+            "input_max_abs": own_max,
             "weights_before": weights,
         },
     )
@@ -102,21 +104,28 @@ def loss_math(case: Case) -> Finding | None:
     if case.incident.get("phase") != "loss" or diagnosis.from_loss_scaler(case.rec.incident):
         return None
     logit = _max_abs_logit(case)
-    saturated = logit is not None and logit > SATURATED_LOGIT
+    logits = case.output_word() == "logits"
+    saturated = logits and logit is not None and logit > SATURATED_LOGIT
     from_logits = case.rec.summary.get("loss_from_logits")
+    unit = "|logit|" if logits else "the largest |output|"
     detail = (
         f"; the final activation was saturated (|logit| {fmt(logit)})"
         if saturated
-        else (f"; |logit| was {fmt(logit)}" if logit is not None else "")
+        else (f"; {unit} was {fmt(logit)}" if logit is not None else "")
+    )
+    typical = (
+        "typically log(0) of a probability rounded to 0 or 1"
+        if case.outputs_probabilities() or from_logits is not None
+        else "a log, sqrt or division at 0, or a value too large to square"
     )
     return Finding(
         f"The predictions were finite and the loss was not ({case.text()}): the loss "
-        f"function broke, typically log(0) of a probability rounded to 0 or 1{detail}.",
+        f"function broke, {typical}{detail}.",
         {
             "step": case.step,
             "tensor": case.incident.get("tensor"),
             "kind": case.incident.get("kind"),
-            "max_abs_logit": logit,
+            "max_abs_logit" if logits else "max_abs_output": logit,
             "saturated": saturated,
             "saturation_threshold": SATURATED_LOGIT,
             "outputs_probabilities": case.outputs_probabilities(),

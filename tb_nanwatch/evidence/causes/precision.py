@@ -11,6 +11,7 @@ from tb_nanwatch.evidence.causes.case import (
     Finding,
     max_abs,
     predecessors,
+    tensor_words,
     text_or_none,
 )
 from tb_nanwatch.evidence.remedies import fmt
@@ -58,12 +59,12 @@ def fp16_overflow(case: Case) -> Finding | None:
         return None
     return Finding(
         f"Under mixed precision, {case.text()}: recorded values reached {fmt(largest)} "
-        f"({where.tensor}), near float16's largest value {FLOAT16_MAX:g}; float32 would "
-        "have held them.",
+        f"({tensor_words(where.tensor)}), near float16's largest value {FLOAT16_MAX:g}; "
+        "float32 would have held them.",
         {
             "dtype_policy": text_or_none(case.rec.summary.get("dtype_policy")),
             "largest_max_abs": largest,
-            "largest_tensor": where.tensor,
+            "largest_tensor": tensor_words(where.tensor),
             "float16_max": FLOAT16_MAX,
             "layer": case.incident.get("layer"),
             "step": case.step,

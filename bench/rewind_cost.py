@@ -1,0 +1,154 @@
+"""What the rewind points cost: NanWatch with ``rewind_every=K`` against ``rewind_every=0``.
+
+    python bench/rewind_cost.py                  # transformer, K=50, 600 pairs (~2.5 min on 2 CPUs)
+    python bench/rewind_cost.py --model mlp --every 10 --pairs 400 --jit
+
+One process, the same model built twice (same weights, same batches), each
+watched by its own NanWatch: ``rewind`` (``rewind_every=K``: the device ring
+of batches written every step, a host snapshot of the weights and optimizer
+state every K steps) and ``off`` (``rewind_every=0``). Each step is what
+``fit`` runs (Keras' train function on one batch, then NanWatch's
+``on_train_batch_end``, where the snapshots are taken), and the two
+alternate every step in a random order, as ``paired.py`` does, so both halves
+of a pair see the same machine.
+
+* ``ratio_median`` [quartiles]: the median over pairs of rewind / off: the
+  per-step cost (the ring write); a snapshot step is one pair in K.
+* ``snapshot_ms``: the median time of one snapshot (timed around it).
+* ``ratio_amortized``: ``ratio_median + snapshot_ms / (K * off step)``: the
+  cost per step with the snapshots spread over their K steps.
+* ``ratio_of_sums``: all rewind steps' time over all off steps' (holds
+  everything, and the machine's outliers).
+
+Prints one ``RESULT {json}`` line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="transformer", help="a bench/worker.py model")
+    parser.add_argument("--every", type=int, default=50, help="rewind_every of the measured run")
+    parser.add_argument("--pairs", type=int, default=600, help="steps of each variant, paired")
+    parser.add_argument("--jit", action="store_true", help="jit_compile=True")
+    return parser.parse_args()
+
+
+def _runner(spec: dict, every: int, jit: bool):
+    """One step of ``fit``'s path for a fresh copy of the model, watched with
+    ``rewind_every=every``; returns (run, the NanWatch, the model)."""
+    import keras
+    import tensorflow as tf
+    import worker
+
+    import tb_nanwatch
+
+    keras.utils.set_random_seed(0)
+    model, x, y = worker.build(spec, jit_compile=jit)
+    n = spec["batch"]
+    batches = [
+        (tf.constant(x[i * n : (i + 1) * n]), tf.constant(y[i * n : (i + 1) * n])) for i in range(8)
+    ]
+    watch = tb_nanwatch.NanWatch(
+        tempfile.mkdtemp(prefix="nwrewind-"), rewind_every=every, remedy_trials=False
+    )
+    watch.set_model(model)
+    watch.on_train_begin()
+    watch.on_epoch_begin(0)
+
+    def run(i: int) -> None:
+        logs = model.train_function(iter([batches[i % len(batches)]]))
+        watch.on_train_batch_end(i, logs)
+
+    for i in range(10):  # tracing and first-call costs
+        run(i)
+    return run, watch, model
+
+
+def _timed_snapshots() -> list[float]:
+    """Times every snapshot the rewind points take from now on; returns the list."""
+    from tb_nanwatch.record import rewind
+
+    times: list[float] = []
+    original = rewind.RewindRing.take
+
+    def take(self, *args, **kwargs):
+        started = time.perf_counter()
+        original(self, *args, **kwargs)
+        times.append(time.perf_counter() - started)
+
+    rewind.RewindRing.take = take
+    return times
+
+
+def main() -> None:
+    args = _arguments()
+    import worker
+
+    logging.getLogger("tb_nanwatch").setLevel(logging.ERROR)  # the not-watched notes
+    spec = worker.parse_model(args.model)
+    runs = {"off": _runner(spec, 0, args.jit), "rewind": _runner(spec, args.every, args.jit)}
+    snapshots = _timed_snapshots()
+    times = {name: np.zeros(args.pairs) for name in runs}
+    order = list(runs)
+    shuffle = random.Random(0).shuffle
+    for i in range(10, 10 + args.pairs):
+        shuffle(order)
+        for name in order:
+            started = time.perf_counter()
+            runs[name][0](i)
+            times[name][i - 10] = time.perf_counter() - started
+    print("RESULT " + json.dumps(_summary(args, spec, runs, times, snapshots)), flush=True)
+
+
+def _summary(args, spec: dict, runs: dict, times: dict, snapshots: list[float]) -> dict:
+    ratio = times["rewind"] / times["off"]
+    off_ms = float(np.median(times["off"]) * 1e3)
+    snapshot_ms = float(np.median(snapshots) * 1e3) if snapshots else 0.0
+    _, watch, model = runs["rewind"]
+    ring = watch._session.rewind
+    device_ring = watch._recorder.device.ring
+    variables = list(model.weights) + list(model.optimizer.variables)
+    state = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+    return {
+        "model": args.model,
+        "batch": spec["batch"],
+        "jit": args.jit,
+        "xla": bool(getattr(model, "jit_compile", False)),
+        "rewind_every": args.every,
+        "pairs": args.pairs,
+        "off_ms": off_ms,
+        "rewind_ms": float(np.median(times["rewind"]) * 1e3),
+        "ratio_median": float(np.median(ratio)),
+        "ratio_q25": float(np.percentile(ratio, 25)),
+        "ratio_q75": float(np.percentile(ratio, 75)),
+        "snapshot_ms": snapshot_ms,
+        "snapshots": len(snapshots),
+        "ratio_amortized": float(np.median(ratio)) + snapshot_ms / (args.every * off_ms),
+        "ratio_of_sums": float(times["rewind"].sum() / times["off"].sum()),
+        "state_mb": state / 2**20,
+        "host_mb": 2 * state / 2**20,
+        "ring_mb": device_ring.nbytes() / 2**20 if device_ring is not None else None,
+        "ring_slots": ring.slots if ring is not None else None,
+        "not_taken_why": ring.not_taken_why if ring is not None else "rewind off",
+    }
+
+
+if __name__ == "__main__":
+    main()

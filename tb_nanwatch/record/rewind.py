@@ -1,0 +1,502 @@
+"""Rewind points: a state from before an incident and the batches since.
+
+Every ``rewind_every`` steps the session takes a host snapshot of every model
+variable and every optimizer variable (:class:`RewindRing`; the last two are
+kept, plus the state before the first step until two later ones exist); the
+compiled step keeps the batches of the last steps on the device
+(:class:`~tb_nanwatch.record.batch_ring.BatchRing`, read only when a point is
+saved). At an incident or a confirmed explosion the newest snapshot from
+before it (before the explosion's onset, less a margin) and the batches from
+it through the incident go to ``<run dir>/repro/rewind/`` (``rewind.npz`` and
+``rewind.json``): a :class:`RewindPoint`, from which the remedy trials re-run
+the steps (:func:`load_rewind_point`, also on a copied run dir).
+
+Memory: weights + optimizer state, twice, plus the batch ring, at most
+``rewind_memory_mb``; above it no snapshot is kept and ``not_taken_why`` says
+why. No TensorFlow import here: the variables are read through ``numpy()``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import json
+import math
+import os
+import posixpath
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+
+REWIND_DIR = "repro/rewind"
+ARRAYS_FILE = "rewind.npz"
+META_FILE = "rewind.json"
+FORMAT_VERSION = 1
+# Steps between an explosion's onset and the newest snapshot that may serve it.
+ONSET_MARGIN = 2
+# load_rewind_point's bounds: the metadata file, and all arrays by default.
+MAX_META_BYTES = 16 << 20
+DEFAULT_MAX_LOAD_BYTES = 4 << 30
+# Per array: the .npy header and the zip entry around it.
+_ARRAY_OVERHEAD = 4096
+
+# Files this process wrote (the only ones save_rewind_point overwrites).
+_created: set[str] = set()
+_created_lock = threading.Lock()
+
+
+class RewindNotTaken(RuntimeError):
+    """No rewind point can be saved; the message says why."""
+
+
+@dataclasses.dataclass
+class RewindPoint:
+    """The state before step ``step`` and the batches from it on.
+
+    ``batches[i]`` is the flat batch of step ``step + i`` (``structure``
+    rebuilds it, as a reproduction bundle's); ``learning_rates[i]`` its
+    learning rate when known. ``info``: where it came from (``through_step``,
+    ``onset``, ``before_onset``, ``optimizer_built``, ...).
+    """
+
+    step: int
+    weights: dict[str, np.ndarray]
+    optimizer: dict[str, np.ndarray]
+    batches: list[list[np.ndarray]]
+    structure: Any
+    learning_rates: list[float | None]
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+def ring_slots(every: int, steps_per_execution: int = 1) -> int:
+    """The batch ring's length: the steps from the older of two snapshots
+    through the last step before the next one (snapshots fall on execution
+    boundaries, so an execution of several steps can add its length twice)."""
+    return 2 * every + 2 * (max(int(steps_per_execution), 1) - 1)
+
+
+# -- on disk ---------------------------------------------------------------------------
+
+
+def save_rewind_point(run_dir: str, point: RewindPoint) -> str:
+    """Writes ``point`` under ``run_dir``; returns its path relative to it.
+
+    Never follows a symbolic link below ``run_dir`` and never overwrites a
+    file this process did not write (FileExistsError).
+    """
+    arrays: dict[str, np.ndarray] = {}
+    declared: dict[str, list] = {}
+
+    def add(key: str, value) -> None:
+        value = np.asarray(value)
+        arrays[key] = value
+        declared[key] = [value.dtype.str, list(value.shape)]
+
+    for i, value in enumerate(point.weights.values()):
+        add(f"w/{i}", value)
+    for i, value in enumerate(point.optimizer.values()):
+        add(f"o/{i}", value)
+    for i, batch in enumerate(point.batches):
+        for j, value in enumerate(batch):
+            add(f"b/{i}/{j}", value)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": int(point.step),
+        "steps": len(point.batches),
+        "batch_size": len(point.batches[0]) if point.batches else 0,
+        "structure": _jsonable_structure(point.structure),
+        "learning_rates": [None if r is None else float(r) for r in point.learning_rates],
+        "weights": list(point.weights),
+        "optimizer": list(point.optimizer),
+        "arrays": declared,
+        "bytes": int(sum(a.nbytes for a in arrays.values())),
+        "info": point.info,
+    }
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    directory = _directory_for_writing(run_dir)
+    _write_new(posixpath.join(directory, ARRAYS_FILE), buffer.getvalue())
+    _write_new(posixpath.join(directory, META_FILE), json.dumps(meta, indent=1).encode())
+    return REWIND_DIR
+
+
+def load_rewind_point(path: str, max_bytes: int = DEFAULT_MAX_LOAD_BYTES) -> RewindPoint:
+    """The rewind point at ``path``: a run dir, its ``repro/rewind`` dir or
+    the ``rewind.json`` file. Checks the declared sizes (at most
+    ``max_bytes`` of arrays) before loading anything; no pickles."""
+    directory = _find_directory(path)
+    meta = json.loads(_read_bounded(posixpath.join(directory, META_FILE), MAX_META_BYTES))
+    declared = _declared_arrays(meta, max_bytes)
+    limit = sum(nbytes for _, _, nbytes in declared.values())
+    limit += _ARRAY_OVERHEAD * (len(declared) + 1)
+    raw = _read_bounded(posixpath.join(directory, ARRAYS_FILE), limit)
+    arrays = _checked_arrays(raw, declared)
+    steps, width = int(meta["steps"]), int(meta["batch_size"])
+    weights = {name: arrays[f"w/{i}"] for i, name in enumerate(meta["weights"])}
+    optimizer = {name: arrays[f"o/{i}"] for i, name in enumerate(meta["optimizer"])}
+    batches = [[arrays[f"b/{i}/{j}"] for j in range(width)] for i in range(steps)]
+    return RewindPoint(
+        step=int(meta["step"]),
+        weights=weights,
+        optimizer=optimizer,
+        batches=batches,
+        structure=meta.get("structure"),
+        learning_rates=list(meta.get("learning_rates") or [None] * steps),
+        info=dict(meta.get("info") or {}),
+    )
+
+
+def _declared_arrays(meta: dict, max_bytes: int) -> dict[str, tuple[np.dtype, tuple, int]]:
+    """Each array's (dtype, shape, bytes) as ``rewind.json`` declares them;
+    a ValueError for a malformed or oversized declaration."""
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError("not a rewind point of a known format")
+    steps, width = meta.get("steps"), meta.get("batch_size")
+    names = (meta.get("weights"), meta.get("optimizer"))
+    if not all(isinstance(n, int) and n >= 0 for n in (steps, width)) or not all(
+        isinstance(n, list) and all(isinstance(p, str) for p in n) for n in names
+    ):
+        raise ValueError("rewind.json: malformed steps, batch_size, weights or optimizer")
+    expected = {f"w/{i}" for i in range(len(names[0]))} | {f"o/{i}" for i in range(len(names[1]))}
+    expected |= {f"b/{i}/{j}" for i in range(steps) for j in range(width)}
+    arrays = meta.get("arrays")
+    if not isinstance(arrays, dict) or set(arrays) != expected:
+        raise ValueError("rewind.json: the declared arrays do not match its steps and names")
+    out: dict[str, tuple[np.dtype, tuple, int]] = {}
+    total = 0
+    for key, declaration in arrays.items():
+        try:
+            dtype, shape = np.dtype(declaration[0]), tuple(declaration[1])
+        except (TypeError, ValueError, IndexError, KeyError):
+            raise ValueError(f"rewind.json: array {key} has a malformed declaration") from None
+        if dtype.hasobject or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"rewind.json: array {key} has a bad dtype or shape")
+        nbytes = math.prod(shape) * dtype.itemsize
+        total += nbytes
+        out[key] = (dtype, tuple(shape), nbytes)
+    if total > max_bytes:
+        raise ValueError(f"the rewind point declares {total} bytes of arrays, above {max_bytes}")
+    return out
+
+
+def _checked_arrays(raw: bytes, declared: dict) -> dict[str, np.ndarray]:
+    """The arrays of ``raw`` (an npz), each checked against its declaration
+    (the entry's size and its ``.npy`` header before the data is read)."""
+    out = {}
+    with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
+        entries = {info.filename: info for info in npz.zip.infolist()}
+        for key, (dtype, shape, nbytes) in declared.items():
+            entry = entries.get(f"{key}.npy")
+            if entry is None or entry.file_size > nbytes + _ARRAY_OVERHEAD:
+                raise ValueError(f"rewind.npz: array {key} is missing or larger than declared")
+            if _npy_header(npz.zip, entry) != (dtype, shape):
+                raise ValueError(f"rewind.npz: array {key} is not the declared {dtype} {shape}")
+            out[key] = npz[key]
+    return out
+
+
+def _npy_header(archive, entry) -> tuple[np.dtype, tuple] | None:
+    """The (dtype, shape) an ``.npy`` entry's header declares (None if unreadable)."""
+    try:
+        with archive.open(entry) as f:
+            version = np.lib.format.read_magic(f)
+            read = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read(f)
+    except (ValueError, OSError):
+        return None
+    return np.dtype(dtype), tuple(shape)
+
+
+def _remote(path: str) -> bool:
+    return "://" in path
+
+
+def _gfile():
+    import tensorflow as tf
+
+    return tf.io.gfile
+
+
+def _find_directory(path: str) -> str:
+    path = os.fspath(path)
+    if path.endswith(META_FILE):
+        return posixpath.dirname(path) if _remote(path) else os.path.dirname(path)
+    join = posixpath.join if _remote(path) else os.path.join
+    exists = _gfile().exists if _remote(path) else os.path.exists
+    for candidate in (path, join(path, *REWIND_DIR.split("/"))):
+        if exists(join(candidate, META_FILE)):
+            return candidate
+    raise FileNotFoundError(f"no rewind point under {path!r}")
+
+
+def _read_bounded(path: str, limit: int) -> bytes:
+    """The file's bytes; a ValueError when it is larger than ``limit``."""
+    if _remote(path):
+        gfile = _gfile()
+        if gfile.stat(path).length > limit:
+            raise ValueError(f"{path} is larger than expected ({limit} bytes at most)")
+        with gfile.GFile(path, "rb") as f:
+            return f.read()
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_size > limit:
+            raise ValueError(f"{path} is larger than expected ({limit} bytes at most)")
+        return f.read(limit + 1)
+
+
+def _directory_for_writing(run_dir: str) -> str:
+    """``<run_dir>/repro/rewind``, made as needed; no symbolic link below ``run_dir``."""
+    if _remote(run_dir):
+        directory = posixpath.join(run_dir, REWIND_DIR)
+        _gfile().makedirs(directory)
+        return directory
+    directory = run_dir
+    for part in REWIND_DIR.split("/"):
+        directory = os.path.join(directory, part)
+        if os.path.islink(directory):
+            raise FileExistsError(f"{directory} is a symbolic link; not followed")
+        if not os.path.isdir(directory):
+            os.makedirs(directory, exist_ok=True)
+    return directory
+
+
+def _write_new(path: str, data: bytes) -> None:
+    """Writes ``path``, which must not exist unless this process wrote it."""
+    with _created_lock:
+        if _remote(path):
+            gfile = _gfile()
+            if gfile.exists(path) and path not in _created:
+                raise FileExistsError(f"{path} exists and is not NanWatch's; not overwritten")
+            with gfile.GFile(path, "wb") as f:
+                f.write(data)
+        else:
+            if os.path.lexists(path):
+                if path not in _created or os.path.islink(path):
+                    raise FileExistsError(f"{path} exists and is not NanWatch's; not overwritten")
+                os.unlink(path)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+            with os.fdopen(os.open(path, flags, 0o644), "wb") as f:
+                f.write(data)
+        _created.add(path)
+
+
+def _jsonable_structure(structure: Any) -> Any:
+    """The batch's nest structure with a 0 for each tensor (as a bundle's)."""
+    if isinstance(structure, dict):
+        return {str(k): _jsonable_structure(v) for k, v in structure.items()}
+    if isinstance(structure, (list, tuple)):
+        return [_jsonable_structure(v) for v in structure]
+    return None if structure is None else 0
+
+
+# -- in the training process -------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """The host copy of the state before step ``step``."""
+
+    step: int
+    weights: dict[str, np.ndarray]
+    optimizer: dict[str, np.ndarray]
+    optimizer_built: bool
+
+
+class RewindRing:
+    """The host side of the rewind points of one run (see the module docstring).
+
+    The session calls :meth:`take` when :meth:`due`, :meth:`note_step` for
+    each recorded step, and :meth:`save` at an incident or an explosion; the
+    recorder calls :meth:`take_initial` when it builds the step.
+    """
+
+    def __init__(self, every: int, memory_mb: float, steps_per_execution: int = 1) -> None:
+        self.every = int(every)
+        self.slots = ring_slots(self.every, steps_per_execution)
+        self.max_bytes = int(memory_mb * (1 << 20))
+        self.snapshots: collections.deque[Snapshot] = collections.deque(maxlen=2)
+        self.not_taken_why: str | None = None
+        self.saved: str | None = None
+        self.tried = False  # whether a save was attempted (one rewind point a run)
+        self.next_step = self.every
+        self._rates: dict[int, float] = {}
+        self._lr_index: int | None = None
+        self._initial_done = False
+
+    @classmethod
+    def attach(cls, recorder, options) -> RewindRing | None:
+        """The ring of a new session on ``recorder`` (None with ``rewind_every=0``)."""
+        if not options.rewind_every:
+            return None
+        ring = cls(options.rewind_every, options.rewind_memory_mb, recorder.steps_per_execution)
+        recorder.rewind = ring
+        if getattr(recorder, "micro_batches", 1) > 1:
+            ring.give_up("a step of several micro-batches is not kept in the batch ring")
+            return ring
+        recorder.device.configure_rewind(ring.slots, ring.max_bytes)
+        if recorder.device.row_width:  # a step built by an earlier fit: no new trace
+            ring.take_initial(recorder.model, recorder.optimizer, recorder.device)
+        return ring
+
+    # -- snapshots ---------------------------------------------------------------
+
+    def take_initial(self, model, optimizer, device) -> None:
+        """The state before the first step (once; never raises)."""
+        if self._initial_done:
+            return
+        self._initial_done = True
+        self.take(0, model, optimizer, device)
+
+    def due(self, steps_done: int) -> bool:
+        """Whether a snapshot is due after ``steps_done`` steps."""
+        return self.not_taken_why is None and steps_done >= self.next_step
+
+    def take(self, steps_done: int, model, optimizer, device) -> None:
+        """Snapshots the state before step ``steps_done`` (never raises: a
+        failure or the memory bound ends the rewind points, one warning)."""
+        if self.not_taken_why is not None:
+            return
+        try:
+            self._take(steps_done, model, optimizer, device)
+        except Exception as error:  # noqa: BLE001 - evidence only, never the training
+            self.give_up(f"could not snapshot the weights: {error!r}", device)
+
+    def _take(self, steps_done: int, model, optimizer, device) -> None:
+        ring = device.ring
+        if ring is None or (ring.not_kept_why and not ring.created):
+            self.give_up(ring.not_kept_why if ring else "no batch ring on the device", device)
+            return
+        weights = list(model.weights)
+        built = optimizer is not None and bool(getattr(optimizer, "built", False))
+        slots = _optimizer_variables(optimizer) if built else []
+        state = 2 * (_nbytes(weights) + _nbytes(slots))
+        if state + ring.nbytes() > self.max_bytes:
+            self.give_up(
+                f"the weights and optimizer state (twice: {state / 2**20:.1f} MB) and the batch "
+                f"ring ({ring.nbytes() / 2**20:.1f} MB) exceed rewind_memory_mb "
+                f"({self.max_bytes / 2**20:.1f} MB)",
+                device,
+            )
+            return
+        self.snapshots.append(Snapshot(steps_done, _read(weights), _read(slots), built))
+        self.next_step = steps_done + self.every
+
+    def give_up(self, why: str, device=None) -> None:
+        """No rewind points from now on (one warning saying ``why``)."""
+        if self.not_taken_why is not None:
+            return
+        self.not_taken_why = why
+        self.snapshots.clear()
+        if device is not None and device.ring is not None:
+            try:
+                device.ring.stop()
+            except Exception:  # noqa: BLE001 - freeing memory is best effort
+                pass
+        warnings.warn(f"NanWatch keeps no rewind points: {why}", RuntimeWarning, stacklevel=3)
+
+    def note_step(self, step: int, vector: np.ndarray, schema) -> None:
+        """Keeps step ``step``'s learning rate (from its statistics vector)."""
+        if self._lr_index is None:
+            self._lr_index = schema.header_index("lr")
+        rate = float(vector[self._lr_index])
+        self._rates[step] = rate if math.isfinite(rate) else None
+        self._rates.pop(step - self.slots, None)
+
+    # -- saving ------------------------------------------------------------------------
+
+    def save(self, run_dir: str, device, through: int, onset: int | None = None) -> str:
+        """Saves the rewind point for steps through ``through`` (the incident
+        or the step that confirmed an explosion whose onset is ``onset``);
+        returns its relative path. Raises :class:`RewindNotTaken` saying why not."""
+        if self.saved is not None:
+            return self.saved
+        self.tried = True
+        if self.not_taken_why is not None:
+            raise RewindNotTaken(self.not_taken_why)
+        snapshot, before_onset = self._choose(through, onset)
+        try:
+            batches = device.ring.read(snapshot.step, through)
+        except RuntimeError as error:  # batch_ring.RingMiss
+            raise RewindNotTaken(str(error)) from None
+        point = RewindPoint(
+            step=snapshot.step,
+            weights=snapshot.weights,
+            optimizer=snapshot.optimizer,
+            batches=batches,
+            structure=device.batch_structure,
+            learning_rates=[self._rates.get(s) for s in range(snapshot.step, through + 1)],
+            info={
+                "through_step": int(through),
+                "onset": onset,
+                "before_onset": before_onset,
+                "optimizer_built": snapshot.optimizer_built,
+                "rewind_every": self.every,
+            },
+        )
+        self.saved = save_rewind_point(run_dir, point)
+        return self.saved
+
+    def _choose(self, through: int, onset: int | None) -> tuple[Snapshot, bool | None]:
+        """The newest usable snapshot at or before the incident (before the
+        onset less ONSET_MARGIN for an explosion; else the oldest kept, and
+        ``before_onset`` False)."""
+        usable = [s for s in self.snapshots if s.step <= through < s.step + self.slots]
+        if onset is None:
+            if usable:
+                return max(usable, key=lambda s: s.step), None
+        else:
+            before = [s for s in usable if s.step <= onset - ONSET_MARGIN]
+            if before:
+                return max(before, key=lambda s: s.step), True
+            if usable:
+                return min(usable, key=lambda s: s.step), False
+        kept = ", ".join(str(s.step) for s in self.snapshots) or "none"
+        raise RewindNotTaken(
+            f"no snapshot kept from before step {through} with its batches since "
+            f"(snapshots every {self.every} steps; kept: {kept})"
+        )
+
+
+def _optimizer_variables(optimizer) -> list:
+    """Its variables (a property in Keras 3, a method in older optimizers)."""
+    found = getattr(optimizer, "variables", [])
+    return list(found() if callable(found) else found)
+
+
+def _nbytes(variables: list) -> int:
+    total = 0
+    for v in variables:
+        try:
+            total += math.prod(int(d) for d in v.shape) * np.dtype(_dtype_name(v)).itemsize
+        except TypeError:
+            total += _value(v).nbytes
+    return total
+
+
+def _dtype_name(v) -> str:
+    dtype = v.dtype
+    return getattr(dtype, "name", dtype)
+
+
+def _value(v) -> np.ndarray:
+    return np.array(v.numpy(), copy=True)
+
+
+def _read(variables: list) -> dict[str, np.ndarray]:
+    """Each variable's value by path (a repeated path gets ``#<n>``)."""
+    out: dict[str, np.ndarray] = {}
+    for v in variables:
+        path = getattr(v, "path", None)  # as taps.variable_path: Keras 3's, or tf_keras' name
+        name = path if isinstance(path, str) else v.name.split(":")[0]
+        key, n = name, 1
+        while key in out:
+            key, n = f"{name}#{n}", n + 1
+        out[key] = _value(v)
+    return out
