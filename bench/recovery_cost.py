@@ -29,16 +29,14 @@ import argparse
 import json
 import logging
 import os
-import random
 import sys
-import tempfile
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
+from watched_step import interleaved_times, watched_fit_step  # noqa: E402
 
 MODES = ("stop", "skip", "rewind")
 
@@ -49,37 +47,6 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--pairs", type=int, default=400, help="steps of each mode, interleaved")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True")
     return parser.parse_args()
-
-
-def _runner(spec: dict, mode: str, jit: bool):
-    """One step of ``fit``'s path for a fresh copy of the model watched with
-    ``on_nonfinite=mode``; returns (run, the model)."""
-    import keras
-    import tensorflow as tf
-    import worker
-
-    import tb_nanwatch
-
-    keras.utils.set_random_seed(0)
-    model, x, y = worker.build(spec, jit_compile=jit)
-    n = spec["batch"]
-    batches = [
-        (tf.constant(x[i * n : (i + 1) * n]), tf.constant(y[i * n : (i + 1) * n])) for i in range(8)
-    ]
-    watch = tb_nanwatch.NanWatch(
-        tempfile.mkdtemp(prefix=f"nw{mode}-"), on_nonfinite=mode, remedy_trials=False
-    )
-    watch.set_model(model)
-    watch.on_train_begin()
-    watch.on_epoch_begin(0)
-
-    def run(i: int) -> None:
-        logs = model.train_function(iter([batches[i % len(batches)]]))
-        watch.on_train_batch_end(i, logs)
-
-    for i in range(10):  # tracing and first-call costs
-        run(i)
-    return run, model
 
 
 def _counted_reads() -> dict:
@@ -108,18 +75,17 @@ def main() -> None:
 
     logging.getLogger("tb_nanwatch").setLevel(logging.ERROR)  # the not-watched notes
     spec = worker.parse_model(args.model)
-    runs = {mode: _runner(spec, mode, args.jit) for mode in MODES}
+    runs = {
+        mode: watched_fit_step(spec, args.jit, f"nw{mode}-", on_nonfinite=mode) for mode in MODES
+    }
     reads = _counted_reads()
-    times = {mode: np.zeros(args.pairs) for mode in MODES}
-    order = list(MODES)
-    shuffle = random.Random(0).shuffle
-    for i in range(10, 10 + args.pairs):
-        shuffle(order)
-        for mode in order:
-            reads["current"] = mode
-            started = time.perf_counter()
-            runs[mode][0](i)
-            times[mode][i - 10] = time.perf_counter() - started
+
+    def count_as(mode: str) -> None:
+        reads["current"] = mode
+
+    times = interleaved_times(
+        {mode: run for mode, (run, _, _) in runs.items()}, args.pairs, before=count_as
+    )
     reads.pop("current")
     print("RESULT " + json.dumps(_summary(args, spec, runs, times, reads)), flush=True)
 
@@ -129,7 +95,7 @@ def _summary(args, spec: dict, runs: dict, times: dict, reads: dict) -> dict:
         "model": args.model,
         "batch": spec["batch"],
         "jit": args.jit,
-        "xla": bool(getattr(runs["stop"][1], "jit_compile", False)),
+        "xla": bool(getattr(runs["stop"][2], "jit_compile", False)),
         "pairs": args.pairs,
         "load_average": list(os.getloadavg()),
         "stop_ms": float(np.median(times["stop"]) * 1e3),

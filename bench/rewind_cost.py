@@ -29,9 +29,7 @@ import argparse
 import json
 import logging
 import os
-import random
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -39,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
+from watched_step import interleaved_times, watched_fit_step  # noqa: E402
 
 
 def _arguments() -> argparse.Namespace:
@@ -48,37 +47,6 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--pairs", type=int, default=600, help="steps of each variant, paired")
     parser.add_argument("--jit", action="store_true", help="jit_compile=True")
     return parser.parse_args()
-
-
-def _runner(spec: dict, every: int, jit: bool):
-    """One step of ``fit``'s path for a fresh copy of the model, watched with
-    ``rewind_every=every``; returns (run, the NanWatch, the model)."""
-    import keras
-    import tensorflow as tf
-    import worker
-
-    import tb_nanwatch
-
-    keras.utils.set_random_seed(0)
-    model, x, y = worker.build(spec, jit_compile=jit)
-    n = spec["batch"]
-    batches = [
-        (tf.constant(x[i * n : (i + 1) * n]), tf.constant(y[i * n : (i + 1) * n])) for i in range(8)
-    ]
-    watch = tb_nanwatch.NanWatch(
-        tempfile.mkdtemp(prefix="nwrewind-"), rewind_every=every, remedy_trials=False
-    )
-    watch.set_model(model)
-    watch.on_train_begin()
-    watch.on_epoch_begin(0)
-
-    def run(i: int) -> None:
-        logs = model.train_function(iter([batches[i % len(batches)]]))
-        watch.on_train_batch_end(i, logs)
-
-    for i in range(10):  # tracing and first-call costs
-        run(i)
-    return run, watch, model
 
 
 def _timed_snapshots() -> list[float]:
@@ -103,17 +71,12 @@ def main() -> None:
 
     logging.getLogger("tb_nanwatch").setLevel(logging.ERROR)  # the not-watched notes
     spec = worker.parse_model(args.model)
-    runs = {"off": _runner(spec, 0, args.jit), "rewind": _runner(spec, args.every, args.jit)}
+    runs = {
+        name: watched_fit_step(spec, args.jit, "nwrewind-", rewind_every=every)
+        for name, every in (("off", 0), ("rewind", args.every))
+    }
     snapshots = _timed_snapshots()
-    times = {name: np.zeros(args.pairs) for name in runs}
-    order = list(runs)
-    shuffle = random.Random(0).shuffle
-    for i in range(10, 10 + args.pairs):
-        shuffle(order)
-        for name in order:
-            started = time.perf_counter()
-            runs[name][0](i)
-            times[name][i - 10] = time.perf_counter() - started
+    times = interleaved_times({name: run for name, (run, _, _) in runs.items()}, args.pairs)
     print("RESULT " + json.dumps(_summary(args, spec, runs, times, snapshots)), flush=True)
 
 

@@ -70,7 +70,8 @@ def _fit(log_dir, strategy=None):
 
 def _custom_loop(log_dir, strategy, per_worker_data):
     """A StepWatcher custom loop under ``strategy``; ``per_worker_data(pipeline_id)``
-    gives each input pipeline its own (num, den, y_main, y_aux) arrays."""
+    gives each input pipeline its own (num, den, y_main, y_aux) arrays. The
+    reproduction bundle is read back where the loop recorded an incident."""
     import keras
     import scenarios
 
@@ -113,7 +114,7 @@ def _custom_loop(log_dir, strategy, per_worker_data):
     watcher.close()
     from tb_nanwatch.record import bundle as bundle_module
 
-    saved = bundle_module.load_bundle(watcher.log_dir)
+    saved = bundle_module.load_bundle(watcher.log_dir) if watcher.incident else None
     return {
         "incident": watcher.incident,
         "truth": truth,
@@ -121,7 +122,7 @@ def _custom_loop(log_dir, strategy, per_worker_data):
         "run_dir": watcher.log_dir,
         "steps": watcher.journal.steps,
         "summary_worker": watcher.journal.summary().get("worker"),
-        "bundle_den": saved.x["den"].ravel().tolist(),
+        "bundle_den": saved.x["den"].ravel().tolist() if saved is not None else None,
         "event_files": sorted(
             f for f in os.listdir(watcher.log_dir) if f.startswith("events.out.tfevents")
         ),
@@ -160,8 +161,9 @@ def _later_fit(log_dir, strategy):
 
 
 def mirrored(out, log_dir):
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    from nanwatch_testlib import logical_cpus
+
+    logical_cpus(2)
     import scenarios
 
     result = {"single": _fit(os.path.join(log_dir, "single"))}

@@ -61,52 +61,13 @@ def _loop(log_dir: str, strategy, bad: bool) -> dict:
             den[den == 0] = 1.0
         return num, den, y_main, y_aux
 
-    return _custom_loop(log_dir, strategy, data) if bad else _healthy_loop(log_dir, strategy, data)
-
-
-def _healthy_loop(log_dir: str, strategy, data) -> dict:
-    """The custom loop of distribute_worker, where no bundle is to be read."""
-    import keras
-    import scenarios
-
-    import tb_nanwatch
-
-    with strategy.scope():
-        model, _, _ = scenarios.ratio_multi_io(ZERO_STEP, STEPS, ZERO_ROW)
-        optimizer = keras.optimizers.SGD(0.01)
-        watcher = tb_nanwatch.StepWatcher(log_dir, model, optimizer)
-    num, den, y_main, y_aux = data(0)
-    dataset = tf.data.Dataset.from_tensor_slices(
-        ({"num": num, "den": den}, {"main": y_main, "aux": y_aux})
-    ).batch(scenarios.BATCH)
-    dist = strategy.experimental_distribute_dataset(dataset)
-
-    def replica_step(x, y):
-        with tf.GradientTape() as tape, watcher.forward(tape, x, y) as rec:
-            y_pred = model(x, training=True)
-            per_output = {k: tf.reduce_mean(tf.square(y[k] - y_pred[k])) for k in y_pred}
-            loss = rec.loss(tf.add_n(list(per_output.values())), y_pred=y_pred, outputs=per_output)
-            scaled = loss / REPLICAS
-        grads = rec.gradients(tape.gradient(scaled, rec.sources(model.trainable_variables)))
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        rec.after_update()
-
-    @tf.function
-    def train_step(x, y):
-        strategy.run(replica_step, args=(x, y))
-
-    for x, y in dist:
-        train_step(x, y)
-        watcher.end_step()
-    watcher.close()
-    return {"incident": watcher.incident, "steps": watcher.journal.steps}
+    return _custom_loop(log_dir, strategy, data)
 
 
 def main(out: str, log_dir: str) -> None:
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
-    )
+    from nanwatch_testlib import logical_cpus
+
+    logical_cpus(REPLICAS)
     strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(REPLICAS)])
     result = {"num_replicas": strategy.num_replicas_in_sync}
     for name, run in (("fit", _fit), ("loop", _loop)):

@@ -14,9 +14,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -300,6 +303,133 @@ def canvas_ink(frame_or_page, selector: str) -> int:
     )
 
 
+# -- a worker in a fresh process --------------------------------------------
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def worker_env() -> dict[str, str]:
+    """A test worker's environment: the repository and tests/ importable,
+    TensorFlow's C++ log quiet, no cluster configuration."""
+    path = [os.path.dirname(TESTS_DIR), TESTS_DIR, os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def logical_cpus(count: int) -> None:
+    """Splits the CPU into ``count`` logical devices (a strategy's replicas);
+    only before TensorFlow has initialized its devices."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * count
+    )
+
+
+def run_worker(args: list[str], result, timeout: float = 400) -> dict:
+    """Runs ``python *args`` in a fresh process (:func:`worker_env`), asserts that
+    it exited 0 (showing the end of its stderr) and returns the JSON it wrote to
+    the file ``result``."""
+    done = subprocess.run(
+        [sys.executable, *args], env=worker_env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    with open(result) as f:
+        return json.load(f)
+
+
+# -- the built tab served with fixture answers ------------------------------
+
+STATIC = Path(__file__).resolve().parents[1] / "tb_nanwatch" / "board" / "static"
+TAB_PAGE = b"""<!doctype html><html><head><meta charset="utf-8"></head><body>
+<script type="module">import { render } from "./index.js"; render();</script></body></html>"""
+
+
+def fixture_timeline(run: str, steps: int, incident, explosion, **columns) -> dict:
+    """The ``timeline`` route's answer for a fixture run of ``steps`` steps;
+    ``columns`` replace the default series (a falling loss, no non-finite step)."""
+    defaults = {
+        "loss": [1.0 / (1 + s) for s in range(steps)],
+        "grad_norm": [2.0 + s % 3 for s in range(steps)],
+        "logit_min": [-2.0 - s / 10 for s in range(steps)],
+        "logit_max": [2.0 + s / 10 for s in range(steps)],
+        "lr": [0.01] * steps,
+        "loss_scale": [None] * steps,
+        "skipped": [0] * steps,
+        "nonfinite": [0] * steps,
+        "iterations": list(range(steps)),
+        "epoch": [0] * steps,
+        "batch": list(range(steps)),
+    }
+    return {
+        "run": run,
+        "start": 0,
+        "end": steps,
+        "bucket": 1,
+        "steps": list(range(steps)),
+        "columns": {**defaults, **columns},
+        "total_steps": steps,
+        "first_nonfinite": incident,
+        "explosion": explosion,
+        "skipped_ranges": [],
+        "recorded_steps": [],
+    }
+
+
+def _fixture_handler(runs: dict[str, dict], vocabulary: dict) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:  # keep pytest's output clean
+            pass
+
+        def _send(self, status: int, body: bytes, mime: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", mime)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _json(self, status: int, value) -> None:
+            self._send(status, json.dumps(value, allow_nan=False).encode(), "application/json")
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            url = urllib.parse.urlsplit(self.path)
+            route = url.path.lstrip("/")
+            run = urllib.parse.parse_qs(url.query).get("run", [None])[0]
+            if route == "":
+                self._send(200, TAB_PAGE, "text/html; charset=utf-8")
+            elif route == "favicon.ico":
+                self._send(204, b"", "image/x-icon")
+            elif route in ("index.js", "style.css"):
+                mime = "text/javascript" if route.endswith(".js") else "text/css"
+                self._send(200, (STATIC / route).read_bytes(), mime)
+            elif route == "vocabulary":
+                self._json(200, vocabulary)
+            elif route == "runs":
+                self._json(200, {"runs": [runs[r]["entry"] for r in sorted(runs)]})
+            elif route in ("incident", "timeline") and run in runs:
+                self._json(200, runs[run][route])
+            else:
+                self._json(404, {"error": f"not in the fixture: {self.path}"})
+
+    return Handler
+
+
+@contextlib.contextmanager
+def fixture_tab(runs: dict[str, dict], vocabulary: dict):
+    """Serves the built tab (tb_nanwatch/board/static) on 127.0.0.1 with fixture
+    answers: ``vocabulary``, the ``runs`` list (each run's ``entry``, by name) and
+    each run's ``incident`` and ``timeline``; yields the base URL."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _fixture_handler(runs, vocabulary))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def write_named_run(
     run_dir: str,
     layers: list[str],
@@ -421,6 +551,22 @@ def watched_step(watcher, model, optimizer, loss_fn=None, *, jit_compile=False, 
         rec.after_update()
         if on_trace is not None:
             on_trace()
+        return loss
+
+    return train_step
+
+
+def plain_mse_step(model, optimizer, jit_compile: bool = False):
+    """The unwatched counterpart of :func:`watched_mse_step`: a tf.function
+    train step on the mean squared error that returns the loss."""
+    import tensorflow as tf
+
+    @tf.function(jit_compile=jit_compile)
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
     return train_step

@@ -108,18 +108,24 @@ def backward_sqrt_zero(zero_step: int = 4, steps: int = 10):
     return model, dict(x=x, y=y, batch_size=BATCH, shuffle=False), truth
 
 
-def update_adam_eps0(steps: int = 6):
-    """A ReLU head that never fires has exactly-zero gradients; Adam(eps=0) makes 0/0."""
-    x = _rows(steps, 3, seed=4)
-    inp = keras.Input((3,), name="x")
-    live = keras.layers.Dense(1, name="live")(inp)
-    dead = keras.layers.Dense(
+def dead_relu_head(inputs):
+    """A Dense(1) ReLU head named ``dead_head`` that never fires (zero kernel, bias
+    -1): its gradients are exactly 0."""
+    return keras.layers.Dense(
         1,
         activation="relu",
         kernel_initializer="zeros",
         bias_initializer=keras.initializers.Constant(-1.0),
         name="dead_head",
-    )(inp)
+    )(inputs)
+
+
+def update_adam_eps0(steps: int = 6):
+    """A ReLU head that never fires has exactly-zero gradients; Adam(eps=0) makes 0/0."""
+    x = _rows(steps, 3, seed=4)
+    inp = keras.Input((3,), name="x")
+    live = keras.layers.Dense(1, name="live")(inp)
+    dead = dead_relu_head(inp)
     out = keras.layers.Add(name="sum")([live, dead])
     model = keras.Model(inp, out, name="update_case")
     model.compile(optimizer=keras.optimizers.Adam(0.01, epsilon=0.0), loss="mse")

@@ -15,13 +15,10 @@ Screenshots go to test-artifacts/card-{1024,1600}-{light,dark}.png.
 from __future__ import annotations
 
 import json
-import threading
-import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from nanwatch_testlib import CHROMIUM, XSS_RUN, run_node_module
+from nanwatch_testlib import CHROMIUM, XSS_RUN, fixture_tab, fixture_timeline, run_node_module
 from test_browser import ARTIFACTS, TIMEOUT_MS, Watched, browser, tensorboard  # noqa: F401
 
 from tb_nanwatch.evidence import diagnosis, trials
@@ -34,9 +31,6 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 
-STATIC = Path(__file__).resolve().parents[1] / "tb_nanwatch" / "board" / "static"
-PAGE = b"""<!doctype html><html><head><meta charset="utf-8"></head><body>
-<script type="module">import { render } from "./index.js"; render();</script></body></html>"""
 
 SNIPPET = (
     'bundle = tb_nanwatch.load_bundle("logs/adam_lr_5")\n'
@@ -133,31 +127,10 @@ def _timeline(run: str, steps: int, incident: dict | None, explosion: dict | Non
     if incident is not None:
         column[-1] = "Infinity"
         nonfinite[-1] = 1
-    return {
-        "run": run,
-        "start": 0,
-        "end": steps,
-        "bucket": 1,
-        "steps": list(range(steps)),
-        "columns": {
-            "loss": column,
-            "grad_norm": [1.0 + s % 3 for s in range(steps)],
-            "logit_min": [-2.0 - s / 10 for s in range(steps)],
-            "logit_max": [2.0 + s / 10 for s in range(steps)],
-            "lr": [0.01] * steps,
-            "loss_scale": [None] * steps,
-            "skipped": [0] * steps,
-            "nonfinite": nonfinite,
-            "iterations": list(range(steps)),
-            "epoch": [0] * steps,
-            "batch": list(range(steps)),
-        },
-        "total_steps": steps,
-        "first_nonfinite": incident,
-        "explosion": explosion,
-        "skipped_ranges": [],
-        "recorded_steps": [],
-    }
+    grad_norm = [1.0 + s % 3 for s in range(steps)]
+    return fixture_timeline(
+        run, steps, incident, explosion, loss=column, grad_norm=grad_norm, nonfinite=nonfinite
+    )
 
 
 def _heatmap(step: int) -> dict:
@@ -250,49 +223,10 @@ def _fixture_runs() -> dict[str, dict]:
 RUNS = _fixture_runs()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args) -> None:  # keep pytest's output clean
-        pass
-
-    def _send(self, status: int, body: bytes, mime: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", mime)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _json(self, status: int, value) -> None:
-        self._send(status, json.dumps(value, allow_nan=False).encode(), "application/json")
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        url = urllib.parse.urlsplit(self.path)
-        route = url.path.lstrip("/")
-        run = urllib.parse.parse_qs(url.query).get("run", [None])[0]
-        if route == "":
-            self._send(200, PAGE, "text/html; charset=utf-8")
-        elif route == "favicon.ico":
-            self._send(204, b"", "image/x-icon")
-        elif route in ("index.js", "style.css"):
-            mime = "text/javascript" if route.endswith(".js") else "text/css"
-            self._send(200, (STATIC / route).read_bytes(), mime)
-        elif route == "vocabulary":
-            self._json(200, VOCABULARY)
-        elif route == "runs":
-            self._json(200, {"runs": [RUNS[r]["entry"] for r in sorted(RUNS)]})
-        elif route in ("incident", "timeline") and run in RUNS:
-            self._json(200, RUNS[run][route])
-        else:
-            self._json(404, {"error": f"not in the fixture: {self.path}"})
-
-
 @pytest.fixture(scope="module")
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
-    httpd.shutdown()
-    httpd.server_close()
+    with fixture_tab(RUNS, VOCABULARY) as url:
+        yield url
 
 
 class Tab:

@@ -14,16 +14,12 @@ load per width and theme. Screenshots: test-artifacts/readability-*.png.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import threading
-import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
-from nanwatch_testlib import CHROMIUM, base_vector
+from nanwatch_testlib import CHROMIUM, base_vector, fixture_tab, fixture_timeline
 from test_browser import ARTIFACTS, TIMEOUT_MS, browser  # noqa: F401
 
 from tb_nanwatch.board import views
@@ -39,9 +35,6 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 
-STATIC = Path(__file__).resolve().parents[1] / "tb_nanwatch" / "board" / "static"
-PAGE = b"""<!doctype html><html><head><meta charset="utf-8"></head><body>
-<script type="module">import { render } from "./index.js"; render();</script></body></html>"""
 VOCABULARY = vocabulary()
 WORDS = VOCABULARY["non_finite"]
 VIRIDIS_LOW = "#440154"  # the darkest cell colour
@@ -91,31 +84,8 @@ def _timeline(run: str, steps: int, incident=None, explosion=None, lr_jump=None)
     lr = [0.01 if lr_jump is None or s < lr_jump["step"] else lr_jump["to"] for s in range(steps)]
     if incident is not None:
         loss[-1] = math.nan
-    return {
-        "run": run,
-        "start": 0,
-        "end": steps,
-        "bucket": 1,
-        "steps": list(range(steps)),
-        "columns": {
-            "loss": loss,
-            "grad_norm": [2.0 + s % 3 for s in range(steps)],
-            "logit_min": [-2.0 - s / 10 for s in range(steps)],
-            "logit_max": [2.0 + s / 10 for s in range(steps)],
-            "lr": lr,
-            "loss_scale": [None] * steps,
-            "skipped": [0] * steps,
-            "nonfinite": [0] * (steps - 1) + [int(incident is not None)],
-            "iterations": list(range(steps)),
-            "epoch": [0] * steps,
-            "batch": list(range(steps)),
-        },
-        "total_steps": steps,
-        "first_nonfinite": incident,
-        "explosion": explosion,
-        "skipped_ranges": [],
-        "recorded_steps": [],
-    }
+    nonfinite = [0] * (steps - 1) + [int(incident is not None)]
+    return fixture_timeline(run, steps, incident, explosion, loss=loss, lr=lr, nonfinite=nonfinite)
 
 
 def _fixture_runs() -> dict[str, dict]:
@@ -173,47 +143,10 @@ RUNS = _fixture_runs()
 BACKWARD = RUNS["a_backward"]["incident"]
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
-
-    def _send(self, body: bytes, mime: str, status: int = 200) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", mime)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        url = urllib.parse.urlsplit(self.path)
-        route = url.path.lstrip("/")
-        run = urllib.parse.parse_qs(url.query).get("run", [None])[0]
-        answer = None
-        if route == "":
-            return self._send(PAGE, "text/html; charset=utf-8")
-        if route == "favicon.ico":
-            return self._send(b"", "image/x-icon", 204)
-        if route in ("index.js", "style.css"):
-            mime = "text/javascript" if route.endswith(".js") else "text/css"
-            return self._send((STATIC / route).read_bytes(), mime)
-        if route == "vocabulary":
-            answer = VOCABULARY
-        elif route == "runs":
-            answer = {"runs": [r["entry"] for r in RUNS.values()]}
-        elif route in ("incident", "timeline") and run in RUNS:
-            answer = RUNS[run][route]
-        if answer is None:
-            return self._send(b'{"error": "not in the fixture"}', "application/json", 404)
-        return self._send(json.dumps(answer, allow_nan=False).encode(), "application/json")
-
-
 @pytest.fixture(scope="module")
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
-    httpd.shutdown()
-    httpd.server_close()
+    with fixture_tab(RUNS, VOCABULARY) as url:
+        yield url
 
 
 # -- colour ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from nanwatch_testlib import run_worker, worker_env
 from scenarios import origin
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -21,29 +22,11 @@ WORKER = os.path.join(HERE, "distribute_worker.py")
 ORIGIN = {"step": 9, "phase": "forward", "layer": "ratio", "kind": "inf"}
 
 
-def _env():
-    root = os.path.dirname(HERE)
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([root, HERE, os.environ.get("PYTHONPATH", "")])
-    )
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    env.pop("TF_CONFIG", None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def mirrored(tmp_path_factory):
     out = tmp_path_factory.mktemp("mirrored")
-    result = subprocess.run(
-        [sys.executable, WORKER, "mirrored", str(out / "result.json"), str(out / "logs")],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    with open(out / "result.json") as f:
-        return json.load(f)
+    result = out / "result.json"
+    return run_worker([WORKER, "mirrored", str(result), str(out / "logs")], result)
 
 
 def test_single_and_two_replicas_agree_on_the_diagnosis(mirrored):
@@ -126,7 +109,7 @@ def test_multi_worker_mirrored_strategy_two_processes(tmp_path):
     log_dir = tmp_path / "logs"
     procs = []
     for index in range(2):
-        env = _env()
+        env = worker_env()
         env["TF_CONFIG"] = json.dumps(
             {"cluster": cluster, "task": {"type": "worker", "index": index}}
         )

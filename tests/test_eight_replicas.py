@@ -4,9 +4,7 @@ incident names the replica whose shard went non-finite first."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,24 +14,14 @@ WORKER = os.path.join(HERE, "eight_replicas_worker.py")
 sys.path.insert(0, HERE)
 
 from eight_replicas_worker import REPLICAS, STEPS, ZERO_ROW, ZERO_STEP  # noqa: E402
+from nanwatch_testlib import run_worker  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("eight")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
-    env.pop("TF_CONFIG", None)
-    result = subprocess.run(
-        [sys.executable, WORKER, str(out / "result.json"), str(out / "logs")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    with open(out / "result.json") as f:
-        return json.load(f)
+    result = out / "result.json"
+    return run_worker([WORKER, str(result), str(out / "logs")], result, timeout=600)
 
 
 @pytest.mark.parametrize("front_end", ["fit", "loop"])

@@ -70,3 +70,17 @@ def test_every_install_script_of_the_lock_is_allowed_or_denied():
     assert with_scripts == {"esbuild"}, with_scripts
     allowed = package.get("allowScripts", {})
     assert all(name in allowed for name in with_scripts), allowed
+
+
+def test_the_right_axis_says_outputs_for_a_regression_and_logits_otherwise():
+    script = (
+        'import { outputWords } from "./src/timeline_plot.js";\n'
+        'console.log(JSON.stringify(["outputs", "logits", undefined].map(outputWords)));'
+    )
+    outputs, logits, unknown = run_node_module(script)
+    assert outputs["right"] == "output min, max (symlog)"
+    assert (
+        "output max (right)" in outputs["series"] and "logit max (right)" not in outputs["series"]
+    )
+    assert logits["right"] == "logit min, max (symlog)" and "logit min (right)" in logits["series"]
+    assert unknown == logits  # a run written before the route said: as before

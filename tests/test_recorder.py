@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import scenarios
 import tensorflow as tf
-from nanwatch_testlib import is_chunk_call, op_types_run, watched_mse_step
+from nanwatch_testlib import is_chunk_call, op_types_run, plain_mse_step, watched_mse_step
 from scenarios import fit, origin
 
 import tb_nanwatch
@@ -126,14 +126,7 @@ def test_a_healthy_xla_step_copies_nothing_for_the_pre_step_copy_or_the_batch_st
 
     model, optimizer = model_and_optimizer()
 
-    @tf.function(jit_compile=True)
-    def plain_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return loss
-
+    plain_step = plain_mse_step(model, optimizer, jit_compile=True)
     plain_step(x, y)
     plain = plain_step.experimental_get_compiler_ir(x, y)(stage="optimized_hlo")
 

@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import types
 
 import numpy as np
 
 if __name__ == "__main__":  # the MirroredStrategy worker: two logical CPUs first
-    import tensorflow as tf
+    from nanwatch_testlib import logical_cpus
 
-    _cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    logical_cpus(2)
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from nanwatch_testlib import run_worker  # noqa: E402
 
 import tb_nanwatch  # noqa: E402
 from tb_nanwatch.record import rewind  # noqa: E402
@@ -33,7 +32,6 @@ from tb_nanwatch.record.device_record import _local_variable  # noqa: E402
 from tb_nanwatch.record.stats.graph import GraphStats  # noqa: E402
 
 BATCH = 8
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 # -- the device ring ---------------------------------------------------------------------
 
@@ -411,18 +409,7 @@ def test_an_update_phase_bundle_holds_the_optimizer_slots_before_the_step(tmp_pa
 
 
 def test_mirrored_strategy_saves_the_whole_batch_of_both_replicas(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    result = subprocess.run(
-        [sys.executable, __file__, "mirrored", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    with open(tmp_path / "result.json") as f:
-        found = json.load(f)
+    found = run_worker([__file__, "mirrored", str(tmp_path)], tmp_path / "result.json")
     assert found["replicas"] == 2 and found["incident_step"] == 13
     assert found["point_step"] == 10 and found["matches"] is True
 

@@ -12,26 +12,23 @@ MirroredStrategy worker (logical devices must be set before TensorFlow starts).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 
 if __name__ == "__main__":  # the MirroredStrategy worker: two logical CPUs first
-    import tensorflow as tf
+    from nanwatch_testlib import logical_cpus
 
-    _cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    logical_cpus(2)
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from nanwatch_testlib import plain_mse_step, run_worker, watched_mse_step  # noqa: E402
 
 import tb_nanwatch  # noqa: E402
 from tb_nanwatch.record import device_record  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 BATCH = 8
 ROWS = 48  # six steps
 
@@ -100,21 +97,8 @@ def test_fit_skip_trains_as_if_the_nan_batch_was_not_there(
     assert "step 3 was not applied" in capfd.readouterr().err
 
 
-def _reference_loop_step(model, optimizer):
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-
-    return step
-
-
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_custom_loop_skip_trains_as_if_the_nan_batch_was_not_there(tmp_path, jit_compile):
-    from nanwatch_testlib import watched_mse_step
-
     x, y = _data()
     model, reference = _model(), _model()
     optimizer, reference_optimizer = keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.01)
@@ -126,7 +110,7 @@ def test_custom_loop_skip_trains_as_if_the_nan_batch_was_not_there(tmp_path, jit
         step(x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH])
         assert not watcher.end_step()
     watcher.close()
-    plain = _reference_loop_step(reference, reference_optimizer)
+    plain = plain_mse_step(reference, reference_optimizer)
     kept_x, kept_y = _without(x, y, {3})
     for i in range(len(kept_x) // BATCH):
         plain(kept_x[i * BATCH : (i + 1) * BATCH], kept_y[i * BATCH : (i + 1) * BATCH])
@@ -181,8 +165,6 @@ def test_a_stop_after_max_skips_keeps_backup_and_restore_state(tmp_path):
 
 
 def test_a_custom_loop_is_told_to_stop_after_max_skips(tmp_path):
-    from nanwatch_testlib import watched_mse_step
-
     x, y = _data(nan_steps=(0, 1))
     model = _model()
     optimizer = keras.optimizers.SGD(0.01)
@@ -349,17 +331,7 @@ def mirrored_worker(out: str, log_dir: str) -> None:
 
 def test_mirrored_skip_trains_as_if_the_nan_batch_was_not_there(tmp_path):
     out = tmp_path / "result.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    result = subprocess.run(
-        [sys.executable, __file__, "mirrored", str(out), str(tmp_path / "run")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    found = json.loads(out.read_text())
+    found = run_worker([__file__, "mirrored", str(out), str(tmp_path / "run")], out)
     assert found["replicas"] == 2
     assert found["incident_replica"] == 0  # the NaN row was in replica 0's shard only
     assert found["finite"] and found["replicas_agree"]

@@ -260,3 +260,11 @@ def test_without_a_log_dir_no_trials_are_read(house_run):
     assert reader.read_trials("gs://bucket/logs", run) == ()
     assert reader.read_trials(house_run, run) == trials.parse_trials(trials_file())
     assert [t.steps for t in reader.read_trials(house_run, run)] == [4, 0, 40, 40]
+
+
+def test_one_step_is_said_in_the_singular():
+    once = trials.Trial("clip_predictions", "not_fixed", steps=1, setting="clipped", why="NaN")
+    assert " over 1 step " in trials.trial_text(once) + " "
+    assert "1 steps" not in trials.trial_text(once)
+    kept = trials.Trial("clip_gradients", "fixed", steps=1, setting="clipnorm=1.0")
+    assert "kept 1 step finite" in trials.trial_text(kept)

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from scenarios import dead_relu_head
 
 import tb_nanwatch
 from tb_nanwatch.evidence.options import WatchOptions
@@ -71,6 +72,12 @@ def rewind_point(model, optimizer, batches, rates):
         structure=[0, 0],
         learning_rates=list(rates),
     )
+
+
+def exact_bundle(model, step, x, y) -> ReproBundle:
+    """An exact bundle of ``step``: the batch ``[x, y]`` and the model's trainable weights now."""
+    weights = {v.path: v.numpy() for v in model.trainable_weights}
+    return ReproBundle(step, [x, y], weights, {"exact": True})
 
 
 def run(model, cause, data, loss_fn=None, **options):
@@ -186,17 +193,11 @@ def test_targets_near_100_clipping_works_and_ranks_before_a_rate_that_stops_lear
 
 
 def dead_head_model(optimizer):
-    """A ReLU head that never fires: its gradients are exactly 0 (tests/scenarios.py)."""
+    """A ReLU head that never fires: its gradients are exactly 0."""
     keras.utils.set_random_seed(0)
     inp = keras.Input((3,))
     live = keras.layers.Dense(1, name="live")(inp)
-    dead = keras.layers.Dense(
-        1,
-        activation="relu",
-        kernel_initializer="zeros",
-        bias_initializer=keras.initializers.Constant(-1.0),
-        name="dead_head",
-    )(inp)
+    dead = dead_relu_head(inp)
     model = keras.Model(inp, keras.layers.Add()([live, dead]))
     model.compile(optimizer=optimizer, loss="mse")
     return model
@@ -251,12 +252,7 @@ def test_a_schedule_typo_is_fixed_by_holding_the_rate_before_the_jump():
     model = mlp(4, [8])
     model.compile(optimizer=optimizer, loss="mse")
     start = model.get_weights()
-    saved = ReproBundle(
-        step=5,
-        batch=[x, y],
-        weights={v.path: v.numpy() for v in model.trainable_weights},
-        info={"exact": True},
-    )
+    saved = exact_bundle(model, 5, x, y)
     cause = {
         "id": "optimizer_update",
         "remedy_ids": ["fix_schedule", "lower_lr", "clip_gradients"],
@@ -331,12 +327,7 @@ def test_a_float16_overflow_is_fixed_by_the_float32_policy(mixed_precision):
     model.compile(optimizer=keras.optimizers.SGD(1e-12), loss="mse")
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     start = model.get_weights()
-    saved = ReproBundle(
-        step=0,
-        batch=[x, y],
-        weights={v.path: v.numpy() for v in model.trainable_weights},
-        info={"exact": True},
-    )
+    saved = exact_bundle(model, 0, x, y)
     cause = {"id": "fp16_overflow", "remedy_ids": ["float32_policy"], "evidence": {}}
     found, listed, _ = run(model, cause, trials.TrialData(bundle=saved))
     steps = trials.BUNDLE_STEPS
@@ -397,8 +388,7 @@ def nan_row_case():
     x[2, 1] = np.nan
     model = mlp(3, [4])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    weights = {v.path: v.numpy() for v in model.trainable_weights}
-    saved = ReproBundle(3, [x, np.ones((BATCH, 1), "float32")], weights, {"exact": True})
+    saved = exact_bundle(model, 3, x, np.ones((BATCH, 1), "float32"))
     cause = {"id": "input_data", "remedy_ids": ["drop_bad_rows", "fix_code"], "evidence": {}}
     return model, saved, cause
 
@@ -476,9 +466,7 @@ def test_a_log_of_a_saturated_probability_is_fixed_by_clipping_the_predictions()
     optimizer = keras.optimizers.SGD(0.01)
     x = np.ones((BATCH, 2), "float32")  # sigmoid(100) == 1.0 in float32: log(1 - p) = -inf
     y = np.zeros((BATCH, 1), "float32")
-    saved = ReproBundle(
-        0, [x, y], {v.path: v.numpy() for v in model.trainable_weights}, {"exact": True}
-    )
+    saved = exact_bundle(model, 0, x, y)
     cause = {"id": "loss_math", "remedy_ids": ["from_logits", "clip_predictions"], "evidence": {}}
     found, listed, _ = run(
         model, cause, trials.TrialData(bundle=saved, optimizer=optimizer), hand_written_crossentropy

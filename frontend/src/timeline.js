@@ -168,6 +168,7 @@ export function createTimeline(container, opts) {
     return createPlot(chartBox, {
       width,
       threshold: magnitudeThreshold([full.columns.loss, full.columns.grad_norm]),
+      outputWord: full.output_word,
       syncKey,
       getData: () => data.current,
       getSelectedStep: () => selectedStep,

@@ -55,6 +55,21 @@ export const SERIES = [
 export const AXIS_TITLES = { left: "loss, grad norm (symlog)", right: "logit min, max (symlog)" };
 
 /**
+ * The words of the right axis: "logit" where the model's outputs feed a
+ * sigmoid/softmax or a from-logits loss, else "output" (a regression's
+ * outputs are no logits; the `timeline` route's `output_word`).
+ * @param {string|undefined} outputWord "logits" or "outputs".
+ * @returns {{series: string[], right: string}} Series labels and right axis title.
+ */
+export function outputWords(outputWord) {
+  const word = outputWord === "outputs" ? "output" : "logit";
+  return {
+    series: SERIES.map((s) => s.label.replace(/^logit/, word)),
+    right: AXIS_TITLES.right.replace(/^logit/, word),
+  };
+}
+
+/**
  * Rows for marker labels so that no two overlap: each label sits right of
  * its line (left of it when it would pass the right edge), in the first row
  * where it clears the labels already there.
@@ -245,7 +260,7 @@ export function paddedStepRange(min, max) {
 /**
  * Creates the uPlot chart.
  * @param {HTMLElement} chartBox Element the chart goes into.
- * @param {{width: number, threshold: number, syncKey?: string,
+ * @param {{width: number, threshold: number, syncKey?: string, outputWord?: string,
  *          getData: () => Object|null, getSelectedStep: () => number|null,
  *          onMouseDown: (e: MouseEvent, plot: Object) => boolean,
  *          onDoubleClick: () => void, onScaleX: () => void,
@@ -262,6 +277,7 @@ export function paddedStepRange(min, max) {
  */
 export function createPlot(chartBox, opts) {
   const { threshold, syncKey, getData } = opts;
+  const words = outputWords(opts.outputWord);
   const ticks = [[], [], []];
 
   function rawValue(sidx, idx) {
@@ -360,8 +376,8 @@ export function createPlot(chartBox, opts) {
         return tl.bucket > 1 ? `${v}–${v + tl.bucket - 1}` : String(v);
       },
     },
-    ...SERIES.map((s) => ({
-      label: s.label,
+    ...SERIES.map((s, i) => ({
+      label: words.series[i],
       scale: s.scale,
       stroke: () => cssColor(s.color),
       dash: s.dash ? s.dash.map((d) => d * uPlot.pxRatio) : undefined,
@@ -402,7 +418,7 @@ export function createPlot(chartBox, opts) {
         ...themed,
         scale: "logit",
         side: 1,
-        label: AXIS_TITLES.right,
+        label: words.right,
         grid: { show: false },
         splits: (self, i, min, max) => symlogTicks(min, max, 1, plotHeight(self)),
         filter: (self, splits) => splits,

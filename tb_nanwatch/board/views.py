@@ -15,6 +15,7 @@ import numpy as np
 
 from tb_nanwatch.board.reader import Run
 from tb_nanwatch.evidence import diagnosis, recoveries
+from tb_nanwatch.evidence.causes.case import output_word
 from tb_nanwatch.evidence.recorded import Flight, Series
 from tb_nanwatch.evidence.schema import Entry, Schema
 
@@ -142,6 +143,7 @@ def timeline(
         "explosion": summary.get("explosion"),
         "skipped_ranges": summary.get("skipped_ranges", []),
         "recorded_steps": recorded_steps,
+        "output_word": output_word(summary, run.schema),
         "recoveries": [
             {**r, "label": recoveries.marker_label(r)} for r in recoveries.recoveries(summary)
         ],

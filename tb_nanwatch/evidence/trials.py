@@ -160,9 +160,16 @@ def trial_text(trial: Trial) -> str:
         loss = f", loss {loss_text(trial.loss_first)} -> {loss_text(trial.loss_last)}"
     if trial.outcome == "fixed":
         flat = " (but the loss stopped going down)" if trial.learning is False else ""
-        return f"{OUTCOME_WORDS['fixed']}: {setting} kept {trial.steps} steps finite{loss}{flat}"
+        steps = _counted(trial.steps, "step")
+        return f"{OUTCOME_WORDS['fixed']}: {setting} kept {steps} finite{loss}{flat}"
     why = f" ({trial.why})" if trial.why else ""
-    return f"{OUTCOME_WORDS['not_fixed']}: {setting} over {trial.steps} steps{why}{loss}"
+    return (
+        f"{OUTCOME_WORDS['not_fixed']}: {setting} over {_counted(trial.steps, 'step')}{why}{loss}"
+    )
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def trial_json(trial: Trial) -> dict:

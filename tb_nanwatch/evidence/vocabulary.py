@@ -49,6 +49,7 @@ TEXT_KEYS = (
     "snippet",
     "type",
     "name",
+    "output_word",
 )
 
 # How a non-finite float reads in the routes' JSON: TensorBoard's JSON cleanser

@@ -59,11 +59,12 @@ def rebuild_batch(structure: Any, flat: list[np.ndarray]) -> Any:
     return build(structure)
 
 
-def _jsonable_structure(structure: Any) -> Any:
+def jsonable_structure(structure: Any) -> Any:
+    """A batch's nest structure as JSON, a 0 for each tensor (None stays None)."""
     if isinstance(structure, dict):
-        return {str(k): _jsonable_structure(v) for k, v in structure.items()}
+        return {str(k): jsonable_structure(v) for k, v in structure.items()}
     if isinstance(structure, (list, tuple)):
-        return [_jsonable_structure(v) for v in structure]
+        return [jsonable_structure(v) for v in structure]
     return None if structure is None else 0
 
 
@@ -104,7 +105,7 @@ def save_bundle(
     bundle_files.write_member(directory, "bundle.npz", buffer.getvalue())
     meta = {
         "step": step,
-        "batch_structure": _jsonable_structure(batch_structure),
+        "batch_structure": jsonable_structure(batch_structure),
         "batch_size": len(batch),
         "batch_not_kept": [i for i, a in enumerate(batch) if a is None],
         "weights": list(weights),

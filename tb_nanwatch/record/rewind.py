@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from tb_nanwatch.record.bundle import jsonable_structure
+
 REWIND_DIR = "repro/rewind"
 ARRAYS_FILE = "rewind.npz"
 META_FILE = "rewind.json"
@@ -107,7 +109,7 @@ def save_rewind_point(run_dir: str, point: RewindPoint) -> str:
         "step": int(point.step),
         "steps": len(point.batches),
         "batch_size": len(point.batches[0]) if point.batches else 0,
-        "structure": _jsonable_structure(point.structure),
+        "structure": jsonable_structure(point.structure),
         "learning_rates": [None if r is None else float(r) for r in point.learning_rates],
         "weights": list(point.weights),
         "optimizer": list(point.optimizer),
@@ -285,15 +287,6 @@ def _write_new(path: str, data: bytes) -> None:
             with os.fdopen(os.open(path, flags, 0o644), "wb") as f:
                 f.write(data)
         _created.add(path)
-
-
-def _jsonable_structure(structure: Any) -> Any:
-    """The batch's nest structure with a 0 for each tensor (as a bundle's)."""
-    if isinstance(structure, dict):
-        return {str(k): _jsonable_structure(v) for k, v in structure.items()}
-    if isinstance(structure, (list, tuple)):
-        return [_jsonable_structure(v) for v in structure]
-    return None if structure is None else 0
 
 
 # -- in the training process -------------------------------------------------------------

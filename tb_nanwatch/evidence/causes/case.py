@@ -15,7 +15,7 @@ import numpy as np
 from tb_nanwatch.evidence import diagnosis
 from tb_nanwatch.evidence.recorded import Record, Series
 from tb_nanwatch.evidence.remedies import DataScale
-from tb_nanwatch.evidence.schema import Entry
+from tb_nanwatch.evidence.schema import Entry, Schema
 
 # A final sigmoid/softmax whose |logit| is above this outputs exactly 0 or 1 in float32.
 SATURATED_LOGIT = 15.0
@@ -86,10 +86,8 @@ class Case:
         return f"{kind} at step {self.step} in the {self.incident.get('phase')} phase ({where})"
 
     def output_word(self) -> str:
-        """ "logits" where the model outputs feed a sigmoid/softmax or a
-        from-logits loss, else "outputs" (a regression's outputs are no logits)."""
-        reads_logits = self.rec.summary.get("loss_from_logits") is True
-        return "logits" if reads_logits or self.outputs_probabilities() else "outputs"
+        """ "logits" or "outputs": see :func:`output_word`."""
+        return output_word(self.rec.summary, self.rec.schema)
 
     def data_scales(self) -> tuple[DataScale, ...]:
         """The range of each model input and target over the flight window's
@@ -135,6 +133,15 @@ class Case:
     def outputs_probabilities(self) -> bool:
         """A model output ends in a sigmoid/softmax (its logits were recorded before it)."""
         return any(e.before_final_activation for e in self.rec.schema.find(kind="logits"))
+
+
+def output_word(summary: dict, schema: Schema) -> str:
+    """ "logits" where the model outputs feed a sigmoid/softmax (their logits
+    were recorded before it) or a from-logits loss, else "outputs" (a
+    regression's outputs are no logits)."""
+    reads_logits = summary.get("loss_from_logits") is True
+    before_activation = any(e.before_final_activation for e in schema.find(kind="logits"))
+    return "logits" if reads_logits or before_activation else "outputs"
 
 
 def _id_input(summary: dict, name: str | None) -> bool:

@@ -160,7 +160,9 @@ def lr_jump(onset: dict) -> dict | None:
     values = [jump.get("from"), jump.get("to")]
     if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
         return None
-    return {"step": jump["step"], "from": float(values[0]), "to": float(values[1])}
+    # The rates were recorded in float32: 7 significant digits are all they hold.
+    rounded = [float(f"{v:.7g}") for v in values]
+    return {"step": jump["step"], "from": rounded[0], "to": rounded[1]}
 
 
 def explosion_sign(case: Case) -> Finding | None:
