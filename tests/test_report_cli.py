@@ -225,3 +225,11 @@ def test_op_and_bad_rows_of_an_input_incident(tmp_path):
     first = next(i for i, line in enumerate(lines) if "first non-finite" in line)
     assert lines[first + 1] == ("    op: Cast 'cast_1' at train.py:12 (reproduced by replay)")
     assert lines[1].startswith("  cause (input_data): The batch of step 3 held Inf")
+
+
+def test_a_log_dir_that_is_itself_the_run_is_named_by_its_directory(tmp_path):
+    run_dir = tmp_path / "my_experiment"
+    write_synthetic_run(str(run_dir), 1, num_layers=2)
+    code, out, _ = run_cli("report", str(run_dir))
+    assert code == 0
+    assert out.splitlines()[0].startswith("run my_experiment: 1 step, ")  # not "run .: 1 steps"
