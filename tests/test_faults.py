@@ -120,7 +120,16 @@ def test_fit_survives_its_log_dir_being_deleted(tmp_path, caplog):
     assert run["steps"] == 12
 
 
-def test_a_caught_keyboard_interrupt_ends_the_run_as_interrupted(tmp_path):
+@pytest.fixture
+def python_sigint_handler():
+    """SIGINT handled as in an interactive Python or a notebook kernel: a
+    process started in the background of a script inherits SIGINT ignored."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_caught_keyboard_interrupt_ends_the_run_as_interrupted(tmp_path, python_sigint_handler):
     import keras
 
     import tb_nanwatch
