@@ -590,16 +590,8 @@ def test_remedies_follow_the_recorded_optimizer_and_precision(verdicts):
 
 def test_outputs_are_logits_only_before_a_final_activation_or_a_from_logits_loss():
     from tb_nanwatch.evidence.causes.case import output_word
-    from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION, Schema
 
-    def schema_with(tensor: str) -> Schema:
-        built = Schema()
-        built.add("header", "header", None, "step header")
-        built.add("forward", "logits", "out", tensor)
-        return built
-
-    regression = schema_with("model output out")
-    classifier = schema_with(f"logits of model output out {BEFORE_FINAL_ACTIVATION}")
+    regression, classifier = make_schema(), make_schema(probabilities=True)
     assert output_word({}, regression) == "outputs"
     assert output_word({"loss_from_logits": False}, regression) == "outputs"
     assert output_word({"loss_from_logits": True}, regression) == "logits"
