@@ -30,9 +30,7 @@ _FILE_TYPES = (
 )
 
 
-def is_remote(path: str) -> bool:
-    """A URL-like log dir (``gs://``, ``s3://`` ...), not a local path."""
-    return "://" in path
+is_remote = run_dir_box.is_remote  # a URL-like log dir (gs://, s3:// ...), not a local path
 
 
 def _warn(path: str, reason: str) -> None:

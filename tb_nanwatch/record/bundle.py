@@ -36,12 +36,6 @@ REWIND_DIR = "repro/rewind"
 REPLAY_FILE = "replay.json"
 
 
-def _gfile():
-    import tensorflow as tf
-
-    return tf.io.gfile
-
-
 def rebuild_batch(structure: Any, flat: list[np.ndarray]) -> Any:
     """The nested batch from its flat arrays and ``structure`` (tuples as lists)."""
     items = iter(flat)
@@ -342,7 +336,7 @@ def load_model(
         reason = bundle.info.get("model_not_saved", "it was recorded without one")
         raise FileNotFoundError(f"no model saved beside the bundle in {bundle.directory}: {reason}")
     path = bundle_files.member(bundle.directory, bundle.info["model"], "the bundle's model")
-    if not _gfile().exists(path):
+    if not bundle_files.tf_gfile().exists(path):
         raise FileNotFoundError(f"the bundle's model file {path} is missing")
     model = keras.saving.load_model(path, custom_objects=custom_objects, safe_mode=not unsafe)
     loss = bundle.info.get("replay_loss")

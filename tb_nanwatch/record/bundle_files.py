@@ -27,7 +27,8 @@ BUNDLE_DIR = "repro"
 _STEP_DIR = re.compile(r"step_\d+")
 
 
-def _gfile():
+def tf_gfile():
+    """``tf.io.gfile``, imported when a remote (``gs://``) path is first met."""
     import tensorflow as tf
 
     return tf.io.gfile
@@ -60,12 +61,12 @@ def find_bundle_dir(path: str) -> str:
     """``path`` when it holds ``bundle.json``, else its first ``repro/step_<N>``
     (listed literally: a path with ``[`` or ``*`` is a name, not a pattern)."""
     remote = run_dir_box.is_remote(path)
-    exists = _gfile().exists if remote else os.path.lexists
+    exists = tf_gfile().exists if remote else os.path.lexists
     if exists(posixpath.join(path, "bundle.json")):
         return path
     repro = posixpath.join(path, BUNDLE_DIR)
     try:
-        names = _gfile().listdir(repro) if remote else os.listdir(repro)
+        names = tf_gfile().listdir(repro) if remote else os.listdir(repro)
     except Exception:  # noqa: BLE001 - missing or unreadable: no bundle
         names = []
     steps = sorted(n.rstrip("/") for n in names if _STEP_DIR.fullmatch(n.rstrip("/")))
@@ -78,7 +79,7 @@ def find_bundle_dir(path: str) -> str:
 
 def _read_bytes(path: str, max_bytes: int, what: str) -> bytes:
     if run_dir_box.is_remote(path):
-        gfile = _gfile()
+        gfile = tf_gfile()
         size = gfile.stat(path).length
         reader = gfile.GFile(path, "rb")
     else:
@@ -155,7 +156,7 @@ def read_arrays(directory: str, required: list[str], optional: list[str]) -> dic
 def write_member(directory: str, name: str, data: bytes) -> str:
     """Writes the file ``name`` of a bundle dir, never through a symlink."""
     if run_dir_box.is_remote(directory):
-        gfile = _gfile()
+        gfile = tf_gfile()
         gfile.makedirs(directory)
         path = posixpath.join(directory, run_dir_box.relative_path(name))
         if gfile.exists(path):

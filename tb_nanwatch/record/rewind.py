@@ -31,7 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from tb_nanwatch.evidence.run_dir_box import is_remote
 from tb_nanwatch.record.bundle import jsonable_structure
+from tb_nanwatch.record.bundle_files import tf_gfile
 
 REWIND_DIR = "repro/rewind"
 ARRAYS_FILE = "rewind.npz"
@@ -216,22 +218,12 @@ def _npy_header(archive, entry) -> tuple[np.dtype, tuple] | None:
     return np.dtype(dtype), tuple(shape)
 
 
-def _remote(path: str) -> bool:
-    return "://" in path
-
-
-def _gfile():
-    import tensorflow as tf
-
-    return tf.io.gfile
-
-
 def _find_directory(path: str) -> str:
     path = os.fspath(path)
     if path.endswith(META_FILE):
-        return posixpath.dirname(path) if _remote(path) else os.path.dirname(path)
-    join = posixpath.join if _remote(path) else os.path.join
-    exists = _gfile().exists if _remote(path) else os.path.exists
+        return posixpath.dirname(path) if is_remote(path) else os.path.dirname(path)
+    join = posixpath.join if is_remote(path) else os.path.join
+    exists = tf_gfile().exists if is_remote(path) else os.path.exists
     for candidate in (path, join(path, *REWIND_DIR.split("/"))):
         if exists(join(candidate, META_FILE)):
             return candidate
@@ -240,8 +232,8 @@ def _find_directory(path: str) -> str:
 
 def _read_bounded(path: str, limit: int) -> bytes:
     """The file's bytes; a ValueError when it is larger than ``limit``."""
-    if _remote(path):
-        gfile = _gfile()
+    if is_remote(path):
+        gfile = tf_gfile()
         if gfile.stat(path).length > limit:
             raise ValueError(f"{path} is larger than expected ({limit} bytes at most)")
         with gfile.GFile(path, "rb") as f:
@@ -255,9 +247,9 @@ def _read_bounded(path: str, limit: int) -> bytes:
 
 def _directory_for_writing(run_dir: str) -> str:
     """``<run_dir>/repro/rewind``, made as needed; no symbolic link below ``run_dir``."""
-    if _remote(run_dir):
+    if is_remote(run_dir):
         directory = posixpath.join(run_dir, REWIND_DIR)
-        _gfile().makedirs(directory)
+        tf_gfile().makedirs(directory)
         return directory
     directory = run_dir
     for part in REWIND_DIR.split("/"):
@@ -272,8 +264,8 @@ def _directory_for_writing(run_dir: str) -> str:
 def _write_new(path: str, data: bytes) -> None:
     """Writes ``path``, which must not exist unless this process wrote it."""
     with _created_lock:
-        if _remote(path):
-            gfile = _gfile()
+        if is_remote(path):
+            gfile = tf_gfile()
             if gfile.exists(path) and path not in _created:
                 raise FileExistsError(f"{path} exists and is not NanWatch's; not overwritten")
             with gfile.GFile(path, "wb") as f:
