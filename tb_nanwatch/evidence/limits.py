@@ -125,6 +125,18 @@ def declared_bytes(shape: Iterable[int], itemsize: int) -> int:
     return math.prod(dims) * max(int(itemsize), 1)
 
 
+def npy_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple, np.dtype]:
+    """The (shape, dtype) the header of the ``.npy`` member ``info`` declares,
+    read without its data (a ValueError when it is not an ``.npy`` header)."""
+    with archive.open(info) as member:
+        version = np.lib.format.read_magic(member)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(member)
+        else:
+            shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+    return tuple(shape), np.dtype(dtype)
+
+
 def npz_member_bytes(archive: zipfile.ZipFile, name: str) -> int:
     """What the ``.npy`` member ``name`` of an open ``.npz`` costs to load:
     the larger of its declared inflated size (zip directory) and its header's
@@ -133,12 +145,7 @@ def npz_member_bytes(archive: zipfile.ZipFile, name: str) -> int:
     if member_name not in archive.NameToInfo:
         raise KeyError(name)
     info = archive.getinfo(member_name)
-    with archive.open(info) as member:
-        version = np.lib.format.read_magic(member)
-        if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(member)
-        else:
-            shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+    shape, dtype = npy_header(archive, info)
     if dtype.hasobject:
         raise LimitError(f"array {name!r} holds Python objects, which are never loaded")
     return max(info.file_size, declared_bytes(shape, dtype.itemsize))

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from tb_nanwatch.evidence import limits
 from tb_nanwatch.evidence.run_dir_box import is_remote
 from tb_nanwatch.record.bundle import jsonable_structure
 from tb_nanwatch.record.bundle_files import tf_gfile
@@ -205,17 +206,10 @@ def _checked_arrays(raw: bytes, declared: dict) -> dict[str, np.ndarray]:
 def _npy_header(archive, entry) -> tuple[np.dtype, tuple] | None:
     """The (dtype, shape) an ``.npy`` entry's header declares (None if unreadable)."""
     try:
-        with archive.open(entry) as f:
-            version = np.lib.format.read_magic(f)
-            read = (
-                np.lib.format.read_array_header_1_0
-                if version == (1, 0)
-                else np.lib.format.read_array_header_2_0
-            )
-            shape, _, dtype = read(f)
+        shape, dtype = limits.npy_header(archive, entry)
     except (ValueError, OSError):
         return None
-    return np.dtype(dtype), tuple(shape)
+    return dtype, shape
 
 
 def _find_directory(path: str) -> str:
