@@ -274,6 +274,7 @@ def test_fit_saves_a_rewind_point_at_the_incident(
     model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[state, watch], verbose=0)
     assert watch.incident["step"] == 13
     # Under XLA the ring has a fixed shape (the batch size unknown when traced: DEFAULT_ROWS).
+    assert watch._recorder.built_for_xla is jit_compile  # XLA really compiled the step
     assert watch._recorder.device.ring._growable is not jit_compile
     summary = watch.journal.summary()
     assert summary["rewind_point"] == "repro/rewind"
