@@ -73,8 +73,8 @@ def _floor_runner(model, optimizer, loss_fn, batches):
     import tensorflow as tf
     import worker
 
-    from tb_nanwatch.record.recorder import StepRecorder
-    from tb_nanwatch.record.taps import LayerTaps
+    from tb_nanwatch.record.in_step.recorder import StepRecorder
+    from tb_nanwatch.record.in_step.taps import LayerTaps
 
     taps = LayerTaps(model)  # the same watched tensors as NanWatch's
     taps.install()
@@ -124,7 +124,7 @@ def _fit_runner(model, batches, variant: str, log_dir: str):
     from realistic_child import FloorRecorder
 
     import tb_nanwatch
-    from tb_nanwatch.record import train_step
+    from tb_nanwatch.record.in_step import train_step
 
     callback = None
     if variant.startswith("floor"):

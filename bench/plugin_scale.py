@@ -2,7 +2,7 @@
 
     python bench/plugin_scale.py [--steps 100000] [--layers 200] [--json out.json]
 
-1. Writes a synthetic run (``tb_nanwatch.record.synthetic.write_synthetic_run``,
+1. Writes a synthetic run (``tb_nanwatch.record.writing.synthetic.write_synthetic_run``,
    through the real journal) of ``--steps`` steps and ``--layers`` layers with
    a forward NaN near the end.
 2. For each data provider (``--load_fast=false``: the Python loader;
@@ -91,7 +91,7 @@ def get(url: str, timeout: float = 60.0) -> tuple[float, int, bytes]:
 
 
 def generate(logdir: str, run: str, steps: int, layers: int, incident_step: int) -> dict:
-    from tb_nanwatch.record.synthetic import write_synthetic_run
+    from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
     start = time.perf_counter()
     summary = write_synthetic_run(

@@ -47,8 +47,8 @@ class FloorRecorder:
     steps_per_execution = 1
 
     def __init__(self, model, exact_counts: bool = False) -> None:
-        from tb_nanwatch.record.recorder import StepRecorder
-        from tb_nanwatch.record.taps import LayerTaps
+        from tb_nanwatch.record.in_step.recorder import StepRecorder
+        from tb_nanwatch.record.in_step.taps import LayerTaps
 
         self.model = model
         self.taps = LayerTaps(model)
@@ -65,9 +65,9 @@ class FloorRecorder:
         import tensorflow as tf
         import worker
 
-        from tb_nanwatch.record.stats import backend
+        from tb_nanwatch.record.stats import choose
 
-        self._stats = backend.for_current_graph()  # as NanWatch's, once a step
+        self._stats = choose.for_current_graph()  # as NanWatch's, once a step
         tensors = worker.floor_reads(inputs.trace, inputs.grads, inputs.y_pred)
         sums = [tf.reduce_sum(t) for t in tensors]
         self._counts = []
@@ -84,7 +84,7 @@ class FloorRecorder:
     def after_update(self, pending, weights):
         import tensorflow as tf
 
-        from tb_nanwatch.record import lazy_counts
+        from tb_nanwatch.record.stats import lazy_counts
 
         if self.exact_counts:  # the counts read each weight once
             weights = [tf.convert_to_tensor(v) for v in weights]
@@ -180,7 +180,7 @@ def main() -> None:
         callbacks.append(tb_nanwatch.NanWatch(log_dir))
     started = time.perf_counter()
     if args.variant.startswith("floor"):
-        from tb_nanwatch.record import train_step
+        from tb_nanwatch.record.in_step import train_step
 
         floor = FloorRecorder(model, exact_counts=args.variant == "floor_counts")
         floor.taps.install()

@@ -51,7 +51,7 @@ def _arguments() -> argparse.Namespace:
 
 def _counted_reads() -> dict:
     """Counts the device record's reads (buffer reads and rows handed over) by mode."""
-    from tb_nanwatch.record import device_record
+    from tb_nanwatch.record.in_step import device_record
 
     counts = {"current": None}
     read, hand_over = device_record._read, device_record.DeviceRecord.hand_over

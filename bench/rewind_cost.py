@@ -51,17 +51,17 @@ def _arguments() -> argparse.Namespace:
 
 def _timed_snapshots() -> list[float]:
     """Times every snapshot the rewind points take from now on; returns the list."""
-    from tb_nanwatch.record import rewind
+    from tb_nanwatch.record.after_incident import rewind_points
 
     times: list[float] = []
-    original = rewind.RewindRing.take
+    original = rewind_points.RewindRing.take
 
     def take(self, *args, **kwargs):
         started = time.perf_counter()
         original(self, *args, **kwargs)
         times.append(time.perf_counter() - started)
 
-    rewind.RewindRing.take = take
+    rewind_points.RewindRing.take = take
     return times
 
 

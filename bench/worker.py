@@ -178,7 +178,7 @@ def floor_reads(trace, grads: list, y_pred) -> list:
     tensor once."""
     import tensorflow as tf
 
-    from tb_nanwatch.record.phase_stats import logits_read_instead
+    from tb_nanwatch.record.in_step.phase_stats import logits_read_instead
 
     instead = logits_read_instead(tf.nest.flatten(y_pred))
     outputs = [instead.get(id(t), t) for call in trace.calls for t in call.outputs]
@@ -329,14 +329,14 @@ def apply_patches(patches: list[str]) -> None:
 
             callback.NanWatch.on_train_batch_end = lambda self, batch, logs=None: None
         elif patch == "nojournal":  # fetch the row, but do not record it
-            from tb_nanwatch.record import journal
+            from tb_nanwatch.record.writing import journal
 
             journal.RunJournal.record = lambda self, *a, **k: None
         elif patch == "asyncjournal":  # experiment: journal.record on a background thread
             import queue
             import threading
 
-            from tb_nanwatch.record import journal
+            from tb_nanwatch.record.writing import journal
 
             record = journal.RunJournal.record
             rows: queue.Queue = queue.Queue()

@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "NanWatch": "tb_nanwatch.record.callback",
     "StepWatcher": "tb_nanwatch.record.custom_loop",
-    "load_bundle": "tb_nanwatch.record.bundle",
-    "ReproBundle": "tb_nanwatch.record.bundle",
+    "load_bundle": "tb_nanwatch.record.after_incident.bundle",
+    "ReproBundle": "tb_nanwatch.record.after_incident.bundle",
     "summary": "tb_nanwatch.record.summary",
 }
 

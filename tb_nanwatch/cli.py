@@ -4,8 +4,8 @@
 LOGDIR, the first non-finite step (or "healthy"), the explosion onset and the
 skipped steps. Exit status: 0 when LOGDIR was read, 2 for a bad path or usage.
 ``tb-nanwatch replay RUN_DIR`` re-runs a run's incident step from its bundle and
-names the op and source line of the first NaN/Inf (``record/replay.py``), then
-tries each remedy the cause offers on a copy of the model (``record/trials.py``);
+names the op and source line of the first NaN/Inf (``record/after_incident/replay.py``), then
+tries each remedy the cause offers on a copy of the model (``record/after_incident/trials.py``);
 ``--import MODULE`` names where custom layers are defined.
 """
 
@@ -170,11 +170,11 @@ def _add_export_command(commands) -> None:
     export.set_defaults(handler=_export)
 
 
-# -- replay (tb_nanwatch/record/replay.py, record/trials.py) ------------------------
+# -- replay (tb_nanwatch/record/after_incident/replay.py, record/after_incident/trials.py) ------------------------
 
 
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from tb_nanwatch.record import bundle, replay
+    from tb_nanwatch.record.after_incident import bundle, replay
 
     try:
         custom = _import_modules(args.imports or [])
@@ -210,7 +210,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def _replay_explosion(args, out: TextIO, err: TextIO, custom: dict, missing: Exception) -> int:
     """A run dir without a bundle (an explosion): no op to name, the trials
     from the rewind point with the model saved beside it."""
-    from tb_nanwatch.record import bundle
+    from tb_nanwatch.record.after_incident import bundle
 
     info: dict = {}
     try:
@@ -239,7 +239,7 @@ def _trials_json(found) -> dict:
 def _print_trials(found, out: TextIO) -> None:
     if not found:
         return
-    from tb_nanwatch.record import trials
+    from tb_nanwatch.record.after_incident import trials
 
     print("remedies, tried on a copy of the model:", file=out)
     print("\n".join(f"  {printable(line)}" for line in trials.tried_lines(found)), file=out)
@@ -312,7 +312,7 @@ def _trials(run_dir: str, saved, model, loss_fn, err: TextIO):
     rewind point, written to its ``repro/trials.json``; None (after a warning
     line) when they cannot run or there is nothing to try."""
     from tb_nanwatch.evidence.options import WatchOptions
-    from tb_nanwatch.record import rewind, trials
+    from tb_nanwatch.record.after_incident import rewind_points, trials
 
     try:
         run = _run_of(run_dir)
@@ -321,7 +321,7 @@ def _trials(run_dir: str, saved, model, loss_fn, err: TextIO):
             return None
         data = trials.TrialData(bundle=saved)
         if summary.get("rewind_point"):
-            data.rewind = rewind.load_rewind_point(run_dir)
+            data.rewind = rewind_points.load_rewind_point(run_dir)
         else:
             data.rewind_missing = summary.get("rewind_point_not_taken") or "none was saved"
         options = WatchOptions(explosion_factor=summary.get("explosion_factor", 1e3))

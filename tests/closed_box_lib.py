@@ -21,8 +21,8 @@ import zipfile
 import numpy as np
 
 from tb_nanwatch.evidence import metadata
-from tb_nanwatch.record.event_writer import RunWriter
-from tb_nanwatch.record.synthetic import write_synthetic_run
+from tb_nanwatch.record.writing.event_writer import RunWriter
+from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A command may grow the peak resident memory of its process by at most this
@@ -168,7 +168,7 @@ def tiny_model():
 def write_bundle_run(run_dir: str, step: int = 3) -> str:
     """A run dir with a reproduction bundle and its model, as a watched run
     writes them (the project's save_bundle and save_model); the bundle dir."""
-    from tb_nanwatch.record import bundle
+    from tb_nanwatch.record.after_incident import bundle
 
     write_synthetic_run(run_dir, step + 1, num_layers=2, incident_step=step)
     model = tiny_model()

@@ -112,7 +112,7 @@ def _custom_loop(log_dir, strategy, per_worker_data):
         if watcher.end_step():
             break
     watcher.close()
-    from tb_nanwatch.record import bundle as bundle_module
+    from tb_nanwatch.record.after_incident import bundle as bundle_module
 
     saved = bundle_module.load_bundle(watcher.log_dir) if watcher.incident else None
     return {

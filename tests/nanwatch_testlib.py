@@ -1,6 +1,6 @@
 """Helpers for the plugin, reader and report tests: runs, providers, clients.
 
-Runs are written by :func:`tb_nanwatch.record.synthetic.write_synthetic_run` (the real
+Runs are written by :func:`tb_nanwatch.record.writing.synthetic.write_synthetic_run` (the real
 journal). Providers are built with TensorBoard's DEFAULT sampling (10 tensors
 per tag on the Python loader, 100 on the Rust data server).
 """
@@ -32,8 +32,8 @@ from tb_nanwatch.board.plugin import NanWatchPlugin
 from tb_nanwatch.evidence import metadata
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import Schema
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.synthetic import build_schema, write_synthetic_run
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.synthetic import build_schema, write_synthetic_run
 
 BIG_STEPS = 5000
 BIG_INCIDENT = 4321
@@ -511,7 +511,7 @@ def traced_graphs():
     entry a replica a trace."""
     import tensorflow as tf
 
-    from tb_nanwatch.record import train_step
+    from tb_nanwatch.record.in_step import train_step
 
     graphs = []
     traced = train_step.recorded_train_step

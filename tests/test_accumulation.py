@@ -10,7 +10,7 @@ import tensorflow as tf
 from scenarios import Norm
 
 import tb_nanwatch
-from tb_nanwatch.record.recorder import StepPatternError
+from tb_nanwatch.record.in_step.recorder import StepPatternError
 
 MICRO = 3
 ROWS = 4

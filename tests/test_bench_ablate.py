@@ -74,7 +74,7 @@ def test_the_parts_come_back_and_unknown_parts_are_named(tmp_path):
 def test_without_holds_the_counts_take_each_tensor_as_it_is():
     import tensorflow as tf
 
-    from tb_nanwatch.record import lazy_counts
+    from tb_nanwatch.record.stats import lazy_counts
     from tb_nanwatch.record.stats.graph import GraphStats
 
     sources = {}

@@ -20,7 +20,7 @@ def _rows(x: np.ndarray, exact_counts: bool, jit_compile: bool) -> tuple[list, i
     (batch of 5), the number of tensors summed, and whether XLA compiled it."""
     import keras
 
-    from tb_nanwatch.record import train_step
+    from tb_nanwatch.record.in_step import train_step
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])

@@ -1,7 +1,7 @@
 """End-to-end: the NaN Watch tab in a real TensorBoard, driven by headless Chromium.
 
 A real ``tensorboard`` subprocess serves logs written by
-:func:`tb_nanwatch.record.synthetic.write_synthetic_run`; Playwright opens the tab and
+:func:`tb_nanwatch.record.writing.synthetic.write_synthetic_run`; Playwright opens the tab and
 checks what a user sees. Set ``NANWATCH_TEST_LOGDIR`` to point the main test
 at other logs (the demo logs); ``NANWATCH_TEST_EXPECT`` (JSON
 ``{"broken": run, "step": int, "layer": str, "healthy": run}``, optionally
@@ -40,7 +40,7 @@ def _write_logs(logdir: Path) -> dict:
 
     This is the one place that creates logs for the main browser test.
     """
-    from tb_nanwatch.record.synthetic import write_synthetic_run
+    from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
     broken = write_synthetic_run(
         str(logdir / "broken"),
@@ -285,7 +285,7 @@ def test_nanwatch_tab_shows_the_incident(browser, watched, logs, tmp_path):
 
 @pytest.fixture(scope="module")
 def xss_logdir(tmp_path_factory) -> Path:
-    from tb_nanwatch.record.synthetic import write_synthetic_run
+    from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
     logdir = tmp_path_factory.mktemp("nanwatch_xss")
     write_synthetic_run(

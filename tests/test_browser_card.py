@@ -627,7 +627,7 @@ def test_view_helpers_in_node():
 def test_card_in_tensorboards_iframe_with_intercepted_routes(browser, tmp_path):  # noqa: F811
     """The real plugin iframe (its <base>, its permissions policy), with
     the new keys added to TensorBoard's own `incident` and `runs` answers."""
-    from tb_nanwatch.record.synthetic import write_synthetic_run
+    from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
     write_synthetic_run(str(tmp_path / "logs" / "broken"), steps=60, num_layers=3, incident_step=40)
 

@@ -26,7 +26,7 @@ from tb_nanwatch.board import views
 from tb_nanwatch.evidence import diagnosis
 from tb_nanwatch.evidence.recorded import Flight
 from tb_nanwatch.evidence.vocabulary import vocabulary
-from tb_nanwatch.record.synthetic import build_schema
+from tb_nanwatch.record.writing.synthetic import build_schema
 
 pytest.importorskip("playwright.sync_api")
 

@@ -36,7 +36,7 @@ INCIDENT_LAYER = 3
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory) -> tuple[Path, dict]:
     """broken (forward NaN at step 250), healthy, and a 4-step healthy run."""
-    from tb_nanwatch.record.synthetic import write_synthetic_run
+    from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
     logdir = tmp_path_factory.mktemp("nanwatch_tab")
     broken = write_synthetic_run(
@@ -410,8 +410,8 @@ def test_show_layers_scrolls_to_the_table_and_singles_out_the_origin_row(
 
 def test_tab_updates_on_tensorboards_reload_while_a_run_is_written(browser, tmp_path):  # noqa: F811
     from tb_nanwatch.evidence.options import WatchOptions
-    from tb_nanwatch.record.journal import RunJournal
-    from tb_nanwatch.record.synthetic import build_schema
+    from tb_nanwatch.record.writing.journal import RunJournal
+    from tb_nanwatch.record.writing.synthetic import build_schema
 
     logdir = tmp_path / "logs"
     schema = build_schema(3)

@@ -105,7 +105,7 @@ def test_repro_bundle_holds_batch_and_pre_step_weights(tmp_path):
 
 def _counting_traces(monkeypatch) -> list:
     """A list that grows by one each time the recorded train step is traced."""
-    from tb_nanwatch.record import train_step
+    from tb_nanwatch.record.in_step import train_step
 
     traces, real = [], train_step.recorded_train_step
 
@@ -170,7 +170,7 @@ def test_a_fit_after_compile_traces_the_step_again(tmp_path, monkeypatch):
 def test_a_fit_after_the_watcher_failed_starts_afresh(tmp_path, monkeypatch):
     # A fit whose recording failed (the watcher disabled itself) leaves nothing
     # to reuse: the next fit traces the step again and records.
-    from tb_nanwatch.record import journal
+    from tb_nanwatch.record.writing import journal
 
     traces = _counting_traces(monkeypatch)
     record_step, failing = journal.RunJournal._record_step, [True]
@@ -214,7 +214,7 @@ def test_stop_keeps_backup_and_restore_state(tmp_path, seeded):
 def _fit_with_recording_failing(tmp_path, monkeypatch, from_step: int, message: str):
     """fit on the healthy scenario with every step from ``from_step`` on
     failing to be recorded; returns (our warnings, watcher, history)."""
-    from tb_nanwatch.record import journal
+    from tb_nanwatch.record.writing import journal
 
     record_step = journal.RunJournal._record_step
 

@@ -23,7 +23,7 @@ from tb_nanwatch.evidence import causes, remedies
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.recorded import Record
 from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION, Schema
-from tb_nanwatch.record.journal import RunJournal
+from tb_nanwatch.record.writing.journal import RunJournal
 
 LAYERS = ["dense_0", "dense_1", "dense_2", "dense_3"]
 CLEAN_START = {"weights_at_start": {"checked": 8, "nonfinite": []}}
@@ -36,7 +36,7 @@ def make_schema(layers=LAYERS, probabilities: bool = False) -> Schema:
     schema.add("input", "input", "target/y", "target target/y")
     for name in layers:
         schema.add("forward", "activation", name, f"output of {name}")
-    # The recorder's own texts (tb_nanwatch.record.phase_stats.PhaseStatistics.forward).
+    # The recorder's own texts (tb_nanwatch.record.in_step.phase_stats.PhaseStatistics.forward).
     what = f"logits of model output out {BEFORE_FINAL_ACTIVATION}"
     schema.add("forward", "logits", "out", what if probabilities else "model output out")
     schema.add("loss", "loss", None, "total loss")

@@ -31,8 +31,8 @@ from nanwatch_testlib import run_node_module, write_named_run
 
 from tb_nanwatch.evidence import run_dir_box
 from tb_nanwatch.evidence.printable import printable
-from tb_nanwatch.record import bundle
-from tb_nanwatch.record.synthetic import write_synthetic_run
+from tb_nanwatch.record.after_incident import bundle
+from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
 VICTIM_TEXT = "a file outside the run dir\n"
 

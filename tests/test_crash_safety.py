@@ -21,9 +21,9 @@ from nanwatch_testlib import CTX, multiplexer_provider
 
 from tb_nanwatch.board import reader
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.record import crash_safety
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.synthetic import build_schema
+from tb_nanwatch.record.writing import crash_safety
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.synthetic import build_schema
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

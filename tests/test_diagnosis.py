@@ -12,8 +12,8 @@ from tb_nanwatch.board import reader, report, views
 from tb_nanwatch.evidence import diagnosis
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.recorded import Flight
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.synthetic import build_schema
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.synthetic import build_schema
 
 SCHEMA = build_schema(3)
 LAYERS = [e.layer for e in SCHEMA.find(kind="activation")]

@@ -12,7 +12,7 @@ from nanwatch_testlib import write_vector_run
 
 from tb_nanwatch.evidence import diagnosis
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.record.synthetic import build_schema
+from tb_nanwatch.record.writing.synthetic import build_schema
 
 SCHEMA = build_schema(3)
 ONSET = 68

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import nanwatch_testlib as lib
 
-from tb_nanwatch.record import journal
+from tb_nanwatch.record.writing import journal
 
 ONSET = 100
 

@@ -18,7 +18,7 @@ from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS, XSS_RUN, canvas_ink
 
 from tb_nanwatch import cli
 from tb_nanwatch.board import export
-from tb_nanwatch.record.synthetic import write_synthetic_run
+from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
 TIMEOUT_MS = 30_000
 STEPS, INCIDENT, LAYER = 3000, 2500, 3

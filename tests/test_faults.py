@@ -25,8 +25,8 @@ from nanwatch_testlib import PLUGIN, get_json, route_client, watched_mse_step
 
 from tb_nanwatch import cli
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.synthetic import build_schema, write_synthetic_run
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.synthetic import build_schema, write_synthetic_run
 
 LOST = "deleted or replaced"
 
@@ -176,7 +176,8 @@ def test_a_custom_loop_left_by_keyboard_interrupt_is_interrupted(tmp_path):
 
 
 def test_a_log_dir_with_glob_characters_is_taken_literally(tmp_path, monkeypatch):
-    from tb_nanwatch.record import bundle, run_dirs
+    from tb_nanwatch.record.after_incident import bundle
+    from tb_nanwatch.record.writing import run_dirs
 
     log_dir = str(tmp_path / "sweep" / "lr[0.1]")
     first = run_dirs.claim_run_dir(log_dir)
@@ -195,8 +196,8 @@ def test_a_log_dir_with_glob_characters_is_taken_literally(tmp_path, monkeypatch
 CLAIMER = r"""
 import os, sys, time
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-from tb_nanwatch.record import run_dirs
-from tb_nanwatch.record.synthetic import write_synthetic_run
+from tb_nanwatch.record.writing import run_dirs
+from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 log_dir, go = sys.argv[1], sys.argv[2]
 while not os.path.exists(go):
     time.sleep(0.005)

@@ -15,9 +15,10 @@ from nanwatch_testlib import is_chunk_call, op_types_run, traced_graphs, watched
 from scenarios import fit, origin
 
 import tb_nanwatch
-from tb_nanwatch.record import lazy_counts, step_stats
-from tb_nanwatch.record.stats import backend
-from tb_nanwatch.record.stats.backend import for_current_graph, in_xla
+from tb_nanwatch.record.in_step import step_stats
+from tb_nanwatch.record.stats import choose, lazy_counts
+from tb_nanwatch.record.stats.backend import in_xla
+from tb_nanwatch.record.stats.choose import for_current_graph
 from tb_nanwatch.record.stats.graph import GraphStats
 from tb_nanwatch.record.stats.xla import TakenExtreme, XlaStats
 
@@ -82,13 +83,13 @@ def test_each_step_build_chooses_its_statistics_backend_once(jit_compile, monkey
     # and the backend holds that build's caches: nothing hangs on TensorFlow's
     # tensors.
     chosen = []
-    choose = backend.for_current_graph
+    original = choose.for_current_graph
 
     def recorded(facts=None):
-        chosen.append(choose(facts))
+        chosen.append(original(facts))
         return chosen[-1]
 
-    monkeypatch.setattr(backend, "for_current_graph", recorded)
+    monkeypatch.setattr(choose, "for_current_graph", recorded)
     keras.utils.set_random_seed(0)
     model, kwargs, truth = scenarios.backward_sqrt_zero()
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit_compile)
@@ -314,7 +315,7 @@ def test_no_addn_of_more_than_two_inputs_in_the_step_graph(tmp_path):
     # AddN of more than two inputs, and rewrites some into a temporary
     # variable with one AssignAdd per input (seconds on a ResNet50).
 
-    from tb_nanwatch.record import phase_stats
+    from tb_nanwatch.record.in_step import phase_stats
 
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))

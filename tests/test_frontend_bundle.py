@@ -249,7 +249,7 @@ def _strings_outside_text_keys(value, vocab: dict, where: str = "") -> list[str]
 def test_text_keys_cover_every_string_of_the_routes(tmp_path):
     """Every string the routes answer for a broken and a healthy run sits
     under a text key, so a name that reads "NaN" is never turned into NaN."""
-    from tb_nanwatch.record.synthetic import write_synthetic_run
+    from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
     write_synthetic_run(str(tmp_path / "broken"), 60, incident_step=40, snapshot_every=20)
     write_synthetic_run(str(tmp_path / "healthy"), 30, num_layers=2)

@@ -22,7 +22,7 @@ from nanwatch_testlib import (
 )
 
 from tb_nanwatch.board import plugin
-from tb_nanwatch.record.synthetic import write_synthetic_run
+from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
 HOSTILE_RUN = "<script>alert('run')</script>"
 HOSTILE_LAYER = "<img src=x onerror=alert('layer')>"

@@ -12,7 +12,7 @@ from nanwatch_testlib import base_vector
 from tb_nanwatch.board import views
 from tb_nanwatch.evidence import diagnosis
 from tb_nanwatch.evidence.recorded import Flight
-from tb_nanwatch.record.synthetic import build_schema
+from tb_nanwatch.record.writing.synthetic import build_schema
 
 
 def _flight_with_input_nan(bad_step: int) -> tuple[Flight, str]:

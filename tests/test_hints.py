@@ -10,7 +10,7 @@ from nanwatch_testlib import base_vector
 
 from tb_nanwatch.evidence import causes
 from tb_nanwatch.evidence.recorded import Flight, Record, Series
-from tb_nanwatch.record.synthetic import build_schema
+from tb_nanwatch.record.writing.synthetic import build_schema
 
 SCHEMA = build_schema(3)
 LAYERS = [e.layer for e in SCHEMA.find(kind="activation")]

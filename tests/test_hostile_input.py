@@ -37,9 +37,9 @@ from tb_nanwatch import cli
 from tb_nanwatch.board.report import load_provider
 from tb_nanwatch.evidence import metadata
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.record.event_writer import RunWriter, summary_metadata
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.synthetic import build_schema, write_synthetic_run
+from tb_nanwatch.record.writing.event_writer import RunWriter, summary_metadata
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.synthetic import build_schema, write_synthetic_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OK_STATUSES = {200, 400, 404}
@@ -319,7 +319,7 @@ def test_crafted_broken_payloads_of_other_tags(tmp_path, caplog):
 
 
 def _text_tensor(text: str):
-    from tb_nanwatch.record.event_writer import _string_tensor
+    from tb_nanwatch.record.writing.event_writer import _string_tensor
 
     return _string_tensor(text)
 
@@ -423,8 +423,8 @@ import os, sys, time, types
 sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
 import numpy as np
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.synthetic import build_schema
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.synthetic import build_schema
 
 logdir, tag = sys.argv[1], sys.argv[2]
 schema = build_schema(3)

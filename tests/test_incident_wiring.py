@@ -14,7 +14,7 @@ from nanwatch_testlib import report_json
 from test_replay import BATCH, backward_sqrt, forward_log, loop_until_incident
 
 import tb_nanwatch
-from tb_nanwatch.record import replay
+from tb_nanwatch.record.after_incident import replay
 from tb_nanwatch.record.session import WatchOptions, base_run_info
 
 

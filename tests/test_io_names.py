@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 import tb_nanwatch
-from tb_nanwatch.record import io_names
+from tb_nanwatch.record.in_step import io_names
 
 
 def entries(journal, phase: str | None = None, kind: str | None = None) -> list[tuple]:

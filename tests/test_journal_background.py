@@ -13,8 +13,8 @@ from nanwatch_testlib import CTX, base_vector, multiplexer_provider
 
 from tb_nanwatch.board import reader
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.synthetic import build_schema
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.synthetic import build_schema
 
 SCHEMA = build_schema(3)
 

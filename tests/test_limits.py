@@ -33,9 +33,9 @@ from tensorboard.compat.proto import tensor_pb2, tensor_shape_pb2, types_pb2
 
 from tb_nanwatch.board import reader
 from tb_nanwatch.evidence import limits, metadata
-from tb_nanwatch.record import bundle
-from tb_nanwatch.record.event_writer import RunWriter, _string_tensor, json_dumps
-from tb_nanwatch.record.synthetic import write_synthetic_run
+from tb_nanwatch.record.after_incident import bundle
+from tb_nanwatch.record.writing.event_writer import RunWriter, _string_tensor, json_dumps
+from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
 BUNDLE = "repro/step_000000008"
 

@@ -23,7 +23,7 @@ import pytest
 
 from tb_nanwatch import cli
 from tb_nanwatch.board import logdir_walk, report
-from tb_nanwatch.record.synthetic import write_synthetic_run
+from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
 READABLE_RUNS = [f"run{i:02d}" for i in range(16)]
 TIMEOUT_S = 60  # each command finishes in a few seconds; a hang is a failure

@@ -17,8 +17,8 @@ from nanwatch_testlib import base_vector, write_vector_run
 import tb_nanwatch
 from tb_nanwatch.evidence import diagnosis
 from tb_nanwatch.evidence.options import MAX_WINDOW, WatchOptions
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.synthetic import build_schema
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.synthetic import build_schema
 
 BAD_OPTIONS = [
     ("flush_secs", math.nan),

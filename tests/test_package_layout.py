@@ -11,6 +11,20 @@
   graphs); built on ``record`` and ``evidence`` like ``record``'s own, never
   imported by them, never importing ``board``.
 
+``record`` itself is in wings named for when their code runs:
+
+* ``record/in_step``: inside the compiled step (taps, the recorder, the
+  step's statistics and its device record);
+* ``record/stats``: the statistics backends (graph, XLA) and their counts;
+* ``record/writing``: writing the record (journal, event files, run dirs,
+  crash safety), without TensorFlow;
+* ``record/after_incident``: bundles, rewind points, replay, trials and
+  recovery;
+* the front ends and their session (``callback``, ``custom_loop``,
+  ``session``, ``summary``) at the top of ``record/``, free to use every wing.
+
+A wing imports only the wings listed for it in :data:`WING_MAY_IMPORT`.
+
 Checked twice: statically, on every ``import`` statement of every module
 (function-level imports included), and at run time, by importing each module
 that must work without TensorFlow in a fresh interpreter.
@@ -44,9 +58,18 @@ FORBIDDEN = {
     "compat": ("tb_nanwatch.board", "tb_nanwatch.cli"),
 }
 
-# Record modules that write or judge a run without running a model: they must
-# import without TensorFlow too (synthetic runs for the tests and benchmarks).
-RECORD_WITHOUT_TENSORFLOW = ("journal", "event_writer", "synthetic", "crash_safety")
+# The wings of record/ and the other wings each may import (its own always).
+WINGS = ("in_step", "stats", "writing", "after_incident")
+WING_MAY_IMPORT = {
+    "writing": (),
+    "stats": (),
+    "in_step": ("stats", "writing"),
+    "after_incident": ("in_step", "stats", "writing"),
+}
+FRONT_ENDS = ("callback", "custom_loop", "session", "summary")
+# Wings that write or judge a run without running a model: no TensorFlow import
+# in them, anywhere (synthetic runs for the tests and benchmarks, the writer).
+WINGS_WITHOUT_TENSORFLOW = ("writing",)
 
 
 def _modules(part: str) -> list[Path]:
@@ -100,13 +123,98 @@ def test_each_part_imports_only_what_it_may(part):
     assert broken == []
 
 
+def _dotted(path: Path) -> str:
+    dotted = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+    return "tb_nanwatch." + dotted.removesuffix(".__init__")
+
+
+def _imports_of(path: Path) -> set[str]:
+    return imported_names(
+        path.read_text(encoding="utf-8"),
+        _dotted(path).rsplit(".", 1)[0] if path.name != "__init__.py" else _dotted(path),
+    )
+
+
+def test_record_has_its_wings_and_only_front_ends_at_its_top():
+    record = PACKAGE / "record"
+    folders = sorted(p.name for p in record.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(WINGS)
+    top = sorted(p.stem for p in record.glob("*.py") if p.name != "__init__.py")
+    assert top == sorted(FRONT_ENDS)
+
+
+@pytest.mark.parametrize("wing", WINGS)
+def test_each_wing_of_record_imports_only_the_wings_it_may(wing):
+    allowed = {wing, *WING_MAY_IMPORT[wing]}
+    forbidden = tuple(f"tb_nanwatch.record.{w}" for w in WINGS if w not in allowed)
+    forbidden += tuple(f"tb_nanwatch.record.{m}" for m in FRONT_ENDS)
+    if wing in WINGS_WITHOUT_TENSORFLOW:
+        forbidden += TENSORFLOW
+    broken = []
+    for path in sorted((PACKAGE / "record" / wing).rglob("*.py")):
+        for name in _imports_of(path):
+            if _breaks(name, forbidden):
+                broken.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert broken == []
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of the package and the modules of the package it imports
+    (``from pkg import name`` counts as ``pkg.name`` where that is a module)."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {_dotted(p) for p in paths}
+    graph = {}
+    for path in paths:
+        edges = set()
+        for name in _imports_of(path):
+            if name in modules:
+                edges.add(name)
+            elif name.rsplit(".", 1)[0] in modules and name.startswith("tb_nanwatch"):
+                edges.add(name.rsplit(".", 1)[0])
+        graph[_dotted(path)] = edges - {_dotted(path)}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of ``graph`` (a list of modules), [] when there is none."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_circle_inside_the_package():
+    # Imports made from the package's own __init__ (the public API) are left
+    # out: every module's import of a sibling runs it first, by Python's rule.
+    graph = _module_graph()
+    graph.pop("tb_nanwatch", None)
+    assert _cycle(graph) == []
+
+
 def _without_tensorflow_modules() -> list[str]:
-    names = []
-    for part in ("evidence", "board"):
-        for path in _modules(part):
-            dotted = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
-            names.append("tb_nanwatch." + dotted.removesuffix(".__init__"))
-    names += [f"tb_nanwatch.record.{m}" for m in RECORD_WITHOUT_TENSORFLOW]
+    names = [_dotted(p) for part in ("evidence", "board") for p in _modules(part)]
+    for wing in WINGS_WITHOUT_TENSORFLOW:
+        names += [_dotted(p) for p in sorted((PACKAGE / "record" / wing).rglob("*.py"))]
     return names + ["tb_nanwatch.cli"]
 
 

@@ -17,7 +17,7 @@ from nanwatch_testlib import BIG_INCIDENT, PLUGIN, XSS_RUN, get_json
 from tb_nanwatch.board import plugin, reader
 from tb_nanwatch.board.plugin import MAX_MAX_POINTS
 from tb_nanwatch.evidence import metadata
-from tb_nanwatch.record.synthetic import write_synthetic_run
+from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
 FUTURE_RUN = "future"
 PROVIDERS = ["multiplexer", "data_server"]

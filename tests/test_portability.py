@@ -16,8 +16,8 @@ import pytest
 from nanwatch_testlib import PLUGIN, get_json, route_client
 
 from tb_nanwatch import cli
-from tb_nanwatch.record import bundle
-from tb_nanwatch.record.synthetic import write_synthetic_run
+from tb_nanwatch.record.after_incident import bundle
+from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
 RUNS = ("incident", "nested/healthy")
 

@@ -15,7 +15,7 @@ from tensorboard.data import provider
 
 from tb_nanwatch.board import reader
 from tb_nanwatch.evidence import metadata
-from tb_nanwatch.record.synthetic import build_schema
+from tb_nanwatch.record.writing.synthetic import build_schema
 
 
 @pytest.fixture(scope="module")

@@ -230,7 +230,7 @@ def test_same_diagnosis_where_min_and_max_may_drop_nan(build, tmp_path, monkeypa
 
 
 def test_our_readers_run_before_the_steps_own_consumers():
-    from tb_nanwatch.record import phase_stats
+    from tb_nanwatch.record.in_step import phase_stats
 
     ops = {}
 
@@ -252,7 +252,7 @@ def test_our_readers_run_before_the_steps_own_consumers():
 
 
 def test_held_if_non_finite_lets_go_of_a_healthy_tensor():
-    from tb_nanwatch.record import lazy_counts
+    from tb_nanwatch.record.stats import lazy_counts
     from tb_nanwatch.record.stats.graph import GraphStats
 
     @tf.function
@@ -272,7 +272,7 @@ def test_held_if_non_finite_lets_go_of_a_healthy_tensor():
 def test_same_diagnosis_when_every_tensor_is_let_go_of(build, tmp_path, monkeypatch):
     # These scenarios' tensors are small, so by default the counts read them
     # directly; here every one goes through held_if_non_finite.
-    from tb_nanwatch.record import lazy_counts
+    from tb_nanwatch.record.stats import lazy_counts
 
     monkeypatch.setattr(lazy_counts, "HOLD_MIN_ELEMENTS", 0)
     _, watch, truth, _ = fit(build, tmp_path)
@@ -288,10 +288,10 @@ def test_no_activation_or_gradient_waits_for_the_end_of_step_cond(
     # then, and ReluGrad and the optimizer could no longer write into it.
     # Under XLA no conditional takes them at all: their counts are results of
     # the reduction that takes their statistic (XlaStats.counted_in_pass).
-    from tb_nanwatch.record import phase_stats
+    from tb_nanwatch.record.in_step import phase_stats
 
     keras.utils.set_random_seed(0)
-    from tb_nanwatch.record import lazy_counts
+    from tb_nanwatch.record.stats import lazy_counts
     from tb_nanwatch.record.stats.backend import in_xla
 
     monkeypatch.setattr(lazy_counts, "XLA_MAX_CONDITIONALS", 1000)  # one entry a conditional
@@ -344,7 +344,7 @@ def _is_our_conditional(op) -> bool:
     """A conditional of the statistics, or a call of an XLA chunk's conditional
     (whose first input is the chunk's first trigger); not a conditional on a
     constant, which only shares a function's lowering and which XLA takes away."""
-    from tb_nanwatch.record import phase_stats
+    from tb_nanwatch.record.in_step import phase_stats
 
     if op.type in ("If", "StatelessIf") and op.inputs[0].op.type == "Const":
         return False  # a function lowered once for XLA (XlaStats._lowered_once), not a branch
@@ -381,7 +381,7 @@ def test_rare_cond_stays_a_functional_if_and_takes_either_branch():
 
 
 def test_fit_hands_the_row_over_with_the_step_outputs(tmp_path, monkeypatch):
-    from tb_nanwatch.record import device_record
+    from tb_nanwatch.record.in_step import device_record
 
     reads = []
     read = device_record._read
@@ -406,6 +406,6 @@ def test_fit_hands_the_row_over_with_the_step_outputs(tmp_path, monkeypatch):
 def test_our_ops_are_told_apart_by_their_scope(name, ours):
     from types import SimpleNamespace
 
-    from tb_nanwatch.record import phase_stats
+    from tb_nanwatch.record.in_step import phase_stats
 
     assert phase_stats.is_ours(SimpleNamespace(name=name)) is ours

@@ -19,8 +19,8 @@ from nanwatch_testlib import watched_step
 
 import tb_nanwatch
 from tb_nanwatch import cli
-from tb_nanwatch.record import bundle as bundle_module
-from tb_nanwatch.record import replay
+from tb_nanwatch.record.after_incident import bundle as bundle_module
+from tb_nanwatch.record.after_incident import replay
 
 BATCH = 4
 STEPS = 6

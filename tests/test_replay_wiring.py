@@ -16,8 +16,9 @@ import tensorflow as tf
 
 import tb_nanwatch
 from tb_nanwatch import cli
-from tb_nanwatch.record import bundle as bundle_module
-from tb_nanwatch.record import replay, session
+from tb_nanwatch.record import session
+from tb_nanwatch.record.after_incident import bundle as bundle_module
+from tb_nanwatch.record.after_incident import replay
 from tb_nanwatch.record.callback import NonFiniteError
 
 BATCH = 4

@@ -13,7 +13,7 @@ import nanwatch_testlib as lib
 import pytest
 
 from tb_nanwatch import cli
-from tb_nanwatch.record.synthetic import write_synthetic_run
+from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
 RUN_KEYS = {
     "run",
@@ -189,8 +189,8 @@ def test_op_and_bad_rows_of_an_input_incident(tmp_path):
     import numpy as np
 
     from tb_nanwatch.evidence.options import WatchOptions
-    from tb_nanwatch.record.journal import RunJournal
-    from tb_nanwatch.record.synthetic import build_schema
+    from tb_nanwatch.record.writing.journal import RunJournal
+    from tb_nanwatch.record.writing.synthetic import build_schema
 
     run_dir = tmp_path / "run"
     schema = build_schema(2)

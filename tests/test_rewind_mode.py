@@ -210,7 +210,7 @@ def _judged(rewind_at: int | None) -> list[int]:
 
     from tb_nanwatch.evidence import diagnosis
     from tb_nanwatch.evidence.options import WatchOptions
-    from tb_nanwatch.record.synthetic import build_schema
+    from tb_nanwatch.record.writing.synthetic import build_schema
 
     schema = build_schema(2)
     judge = diagnosis.RunDiagnosis(schema, WatchOptions())
@@ -235,7 +235,7 @@ def test_the_host_knows_which_steps_the_compiled_step_undid():
     from nanwatch_testlib import base_vector
 
     from tb_nanwatch.evidence import diagnosis
-    from tb_nanwatch.record.synthetic import build_schema
+    from tb_nanwatch.record.writing.synthetic import build_schema
 
     schema = build_schema(2)
     update = next(e for e in schema.entries if e.phase == "update")

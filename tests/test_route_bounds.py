@@ -10,7 +10,7 @@ from nanwatch_testlib import PLUGIN, get_json, route_client
 
 from tb_nanwatch.board import plugin, views
 from tb_nanwatch.evidence.recorded import Flight
-from tb_nanwatch.record.synthetic import build_schema, write_synthetic_run
+from tb_nanwatch.record.writing.synthetic import build_schema, write_synthetic_run
 
 MAX_ANSWER_BYTES = 2_000_000
 LONG_STEPS = 3 * plugin.MAX_MAX_POINTS + 5

@@ -123,7 +123,7 @@ def busy_port():
 
 
 def test_a_busy_port_gives_a_free_one_and_the_url_shows_this_logdir(tmp_path, busy_port):
-    from tb_nanwatch.record.synthetic import write_synthetic_run
+    from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
     logdir = str(tmp_path / "logs")
     write_synthetic_run(os.path.join(logdir, "one"), steps=20, num_layers=3)

@@ -1,5 +1,5 @@
 """Several fits, several watchers, one log dir: every stage is kept, no two
-runs' records are ever mixed (the rule is in tb_nanwatch.record.run_dirs)."""
+runs' records are ever mixed (the rule is in tb_nanwatch.record.writing.run_dirs)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ import numpy as np
 import keras
 import tb_nanwatch
 from tb_nanwatch.evidence import metadata
-from tb_nanwatch.record.event_writer import RunWriter
+from tb_nanwatch.record.writing.event_writer import RunWriter
 
 log_dir, mode = sys.argv[1], sys.argv[2]
 steps, nan_step, flush_secs = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])

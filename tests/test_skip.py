@@ -27,7 +27,7 @@ import tensorflow as tf  # noqa: E402
 from nanwatch_testlib import plain_mse_step, run_worker, watched_mse_step  # noqa: E402
 
 import tb_nanwatch  # noqa: E402
-from tb_nanwatch.record import device_record  # noqa: E402
+from tb_nanwatch.record.in_step import device_record  # noqa: E402
 
 BATCH = 8
 ROWS = 48  # six steps

@@ -18,7 +18,7 @@ from tb_nanwatch.board import reader, report
 from tb_nanwatch.evidence import causes, trials, vocabulary
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.trials import Trial
-from tb_nanwatch.record.journal import RunJournal
+from tb_nanwatch.record.writing.journal import RunJournal
 
 CLIP = Trial("clip_gradients", "fixed", 40, "clipnorm=1.0", "", 1.0e4, 7.7e3, True)
 LR_FLAT = Trial("lower_lr", "fixed", 40, "lr x0.001", "", 1.0e4, 1.0e4, False)

@@ -21,9 +21,9 @@ from scenarios import dead_relu_head
 import tb_nanwatch
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.trials import TRIALS_FILE
-from tb_nanwatch.record import trials
-from tb_nanwatch.record.bundle import ReproBundle
-from tb_nanwatch.record.rewind import RewindPoint
+from tb_nanwatch.record.after_incident import trials
+from tb_nanwatch.record.after_incident.bundle import ReproBundle
+from tb_nanwatch.record.after_incident.rewind_points import RewindPoint
 
 LINE = 1e3  # WatchOptions' explosion_factor
 BATCH = 8

@@ -3,7 +3,7 @@
 :func:`build_train_op` does what ``optimizer.minimize(loss)`` does (the
 gradients of the loss, then ``apply_gradients``) and records the step on the
 way, with the statistics TF2 steps use (:mod:`tb_nanwatch.record.stats`,
-:class:`~tb_nanwatch.record.step_stats.StatsBuilder`, the schema's five
+:class:`~tb_nanwatch.record.in_step.step_stats.StatsBuilder`, the schema's five
 phases in the same order):
 
 * input: each placeholder the loss reads;
@@ -33,10 +33,15 @@ from tensorflow.python.ops import resource_variable_ops
 from tb_nanwatch.compat.graph_layout import GraphLayout, variable_name
 from tb_nanwatch.compat.graph_rows import GraphRows
 from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION
-from tb_nanwatch.record.lazy_counts import scalar_total
-from tb_nanwatch.record.phase_stats import STATS_SCOPE, loss_fields, readers_first, watchable_input
+from tb_nanwatch.record.in_step.phase_stats import (
+    STATS_SCOPE,
+    loss_fields,
+    readers_first,
+    watchable_input,
+)
+from tb_nanwatch.record.in_step.step_stats import StatsBuilder
 from tb_nanwatch.record.stats.backend import StatsBackend
-from tb_nanwatch.record.step_stats import StatsBuilder
+from tb_nanwatch.record.stats.lazy_counts import scalar_total
 
 _FINAL_ACTIVATIONS = ("Sigmoid", "Softmax")
 

@@ -44,13 +44,13 @@ from tb_nanwatch.compat.graph_layout import graph_layout, variable_name
 from tb_nanwatch.compat.graph_rows import GraphRows
 from tb_nanwatch.compat.graph_step import GraphStep, GraphStepBuilder
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.record import bundle
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.phase_stats import STATS_SCOPE
-from tb_nanwatch.record.run_dirs import RunPlacement
+from tb_nanwatch.record.after_incident import bundle
+from tb_nanwatch.record.in_step.phase_stats import STATS_SCOPE
 from tb_nanwatch.record.session import NonFiniteError, WatchSession, check_writable
 from tb_nanwatch.record.stats.backend import DeviceFacts
 from tb_nanwatch.record.stats.graph import GraphStats
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.run_dirs import RunPlacement
 
 __all__ = ["GraphWatcher", "NonFiniteError"]
 

@@ -88,7 +88,7 @@ def undone_entries(schema: Schema, whole_step: bool) -> list[Entry]:
     undo a step: those before the update (input..backward), or, with
     ``whole_step`` (``pre_step_weights="every_step"``: the weights are copied
     before every step), the update's too. The compiled step applies the same
-    rule (``record/step_undo.py``), so the host knows which steps it undid."""
+    rule (``record/in_step/step_undo.py``), so the host knows which steps it undid."""
     return [e for e in schema.diagnosed() if whole_step or e.phase != "update"]
 
 

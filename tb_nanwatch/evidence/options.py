@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 
 ON_NONFINITE = ("stop", "raise", "continue", "skip", "rewind")
-# The modes that undo a non-finite step inside the compiled step (see record/recovery.py).
+# The modes that undo a non-finite step inside the compiled step (see record/after_incident/recovery.py).
 RECOVERING = ("skip", "rewind")
 # Which weights the reproduction bundle holds (see NanWatch's docstring).
 PRE_STEP_WEIGHTS = ("every_step", "on_suspect", "off")
 # The largest flight-recorder window: the journal keeps ``window`` full stats
 # vectors in memory (a few MB each for a large model at the bound).
 MAX_WINDOW = 100_000
-# Remedy trials and rewind points (see record/rewind.py and record/trials.py).
+# Remedy trials and rewind points (see record/after_incident/rewind_points.py and record/after_incident/trials.py).
 DEFAULT_REWIND_EVERY = 50
 
 

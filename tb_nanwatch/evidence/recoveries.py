@@ -1,7 +1,7 @@
 """What a recovering watcher did (``on_nonfinite="skip"``/``"rewind"``), as
 the run summary holds it, checked for the readers.
 
-The summary (written by ``record/recovery.py``) holds ``recoveries`` (one
+The summary (written by ``record/after_incident/recovery.py``) holds ``recoveries`` (one
 entry a rewind: ``{"step", "rewound_to", "remedy": {"id", "setting"},
 "skipped_batches"}``, with ``"onset"`` for an explosion), the steps skipped
 (``skipped_nonfinite_steps``), why the run fell back to skipping

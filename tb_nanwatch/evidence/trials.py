@@ -1,6 +1,6 @@
 """The outcome of trying a remedy: what the counterfactual trial found.
 
-After training stops at an incident or an explosion, ``record/trials.py``
+After training stops at an incident or an explosion, ``record/after_incident/trials.py``
 re-runs the step (from the reproduction bundle) or the steps since a rewind
 point, on a copy of the model, once per applicable remedy, and writes one
 :class:`Trial` per remedy to ``<run dir>/repro/trials.json``. The cause engine

@@ -45,10 +45,8 @@ import keras
 import tensorflow as tf
 
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.record import legacy_keras, train_step
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.recorder import StepRecorder
-from tb_nanwatch.record.run_dirs import RunPlacement
+from tb_nanwatch.record.in_step import legacy_keras, train_step
+from tb_nanwatch.record.in_step.recorder import StepRecorder
 from tb_nanwatch.record.session import (
     NonFiniteError,
     WatchSession,
@@ -56,6 +54,8 @@ from tb_nanwatch.record.session import (
     check_writable,
     warn_stopped_watching,
 )
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.run_dirs import RunPlacement
 
 __all__ = ["NanWatch", "NonFiniteError"]
 
@@ -66,7 +66,7 @@ class NanWatch(keras.callbacks.Callback):
     """Records where NaN/Inf is born during ``fit``; writes it for TensorBoard.
 
     Works for Keras 3 models and for ``tf_keras`` (Keras 2) ones, chosen by
-    what the model is (see :mod:`~tb_nanwatch.record.legacy_keras` for what a
+    what the model is (see :mod:`~tb_nanwatch.record.in_step.legacy_keras` for what a
     tf_keras model does not get).
 
     Args:

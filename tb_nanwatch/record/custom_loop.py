@@ -67,7 +67,7 @@ reproduction bundle, from a few added lines in your own step::
   gradient norm the root of the sum of their squared norms. A step that
   does not run exactly ``micro_batches`` passes, or runs them inside a
   ``tf.while_loop`` (a ``tf.range`` loop), is refused when it is traced
-  (:class:`~tb_nanwatch.record.recorder.StepPatternError`).
+  (:class:`~tb_nanwatch.record.in_step.recorder.StepPatternError`).
 """
 
 from __future__ import annotations
@@ -76,10 +76,9 @@ import keras
 import tensorflow as tf
 
 from tb_nanwatch.evidence.options import WatchOptions, positive_int
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.phase_stats import StepInputs
-from tb_nanwatch.record.recorder import PendingStep, StepPatternError, StepRecorder
-from tb_nanwatch.record.run_dirs import RunPlacement
+from tb_nanwatch.record.in_step.phase_stats import StepInputs
+from tb_nanwatch.record.in_step.recorder import PendingStep, StepPatternError, StepRecorder
+from tb_nanwatch.record.in_step.taps import StepTrace
 from tb_nanwatch.record.session import (
     NonFiniteError,
     WatchSession,
@@ -88,7 +87,8 @@ from tb_nanwatch.record.session import (
     check_writable,
     loss_from_logits,
 )
-from tb_nanwatch.record.taps import StepTrace
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.run_dirs import RunPlacement
 
 __all__ = ["StepWatcher", "StepRecording", "NonFiniteError", "StepPatternError"]
 
@@ -124,7 +124,7 @@ class StepWatcher:
         loss_fn: optional ``loss_fn(y, y_pred)``, your loop's loss: when
             training stops, the incident's step is replayed with it from its
             bundle to name the op and the source line (see
-            :mod:`tb_nanwatch.record.replay`); without it only the forward pass is
+            :mod:`tb_nanwatch.record.after_incident.replay`); without it only the forward pass is
             replayed.
     """
 

@@ -6,7 +6,7 @@ adapters around a :class:`WatchSession`, which owns everything they have in
 common: the options (a validated
 :class:`~tb_nanwatch.evidence.options.WatchOptions`), turning the rows
 the compiled step wrote into the on-disk record (a
-:class:`~tb_nanwatch.record.journal.RunJournal`, one device read per execution), the
+:class:`~tb_nanwatch.record.writing.journal.RunJournal`, one device read per execution), the
 incident (reproduction bundle, console message, stop / raise / continue),
 the report of layers it cannot watch, disabling itself on its own failure
 (one ``RuntimeWarning``, training goes on) and the final status.
@@ -37,14 +37,15 @@ import tensorflow as tf
 from tb_nanwatch.evidence import causes
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.printable import printable, printable_lines
-from tb_nanwatch.record import bundle, crash_safety, replay, rewind, trials
-from tb_nanwatch.record.event_writer import RunWriter
-from tb_nanwatch.record.journal import RunJournal
-from tb_nanwatch.record.recorder import StepRecorder
-from tb_nanwatch.record.recovery import Recovery
-from tb_nanwatch.record.rewind import RewindNotTaken, RewindRing
-from tb_nanwatch.record.run_dirs import RunPlacement
-from tb_nanwatch.record.taps import variable_path
+from tb_nanwatch.record.after_incident import bundle, replay, rewind_points, trials
+from tb_nanwatch.record.after_incident.recovery import Recovery
+from tb_nanwatch.record.after_incident.rewind_points import RewindNotTaken, RewindRing
+from tb_nanwatch.record.in_step.recorder import StepRecorder
+from tb_nanwatch.record.in_step.taps import variable_path
+from tb_nanwatch.record.writing import crash_safety
+from tb_nanwatch.record.writing.event_writer import RunWriter
+from tb_nanwatch.record.writing.journal import RunJournal
+from tb_nanwatch.record.writing.run_dirs import RunPlacement
 
 logger = logging.getLogger("tb_nanwatch")
 
@@ -211,7 +212,7 @@ def _setting(optimizer, name: str) -> float | None:
 
 
 def _input_dtypes(model) -> dict[str, str]:
-    from tb_nanwatch.record import io_names
+    from tb_nanwatch.record.in_step import io_names
 
     try:
         tensors = list(getattr(model, "inputs", None) or [])
@@ -270,7 +271,7 @@ class WatchSession:
 
     ``release`` undoes the front end's instrumentation; the session calls it
     when it stops watching (its own failure, ``"raise"``). ``placement`` is
-    the watcher's :class:`~tb_nanwatch.record.run_dirs.RunPlacement`: the session
+    the watcher's :class:`~tb_nanwatch.record.writing.run_dirs.RunPlacement`: the session
     writes to its next stage dir.
     """
 
@@ -305,7 +306,7 @@ class WatchSession:
         # Rewind points: snapshots every rewind_every steps (None when off).
         self.rewind: RewindRing | None = RewindRing.attach(recorder, options)
         # "skip"/"rewind": the compiled step undoes a non-finite step; the
-        # host side counts, rewinds and stops (record/recovery.py).
+        # host side counts, rewinds and stops (record/after_incident/recovery.py).
         if options.recovers and not hasattr(recorder.device, "pre_step_pairs"):
             raise ValueError(
                 f"on_nonfinite={options.on_nonfinite!r} undoes a step inside a Keras model's "
@@ -620,7 +621,7 @@ class WatchSession:
 
     def _try_remedies(self) -> None:
         """After training stopped at an incident or an explosion: tries each
-        remedy the cause offers on a copy of the model (``record/trials.py``),
+        remedy the cause offers on a copy of the model (``record/after_incident/trials.py``),
         writes ``repro/trials.json`` and prints the ranked "Tried" lines.
         Never raises: a failure is one warning."""
         journal = self.journal
@@ -661,7 +662,7 @@ class WatchSession:
         if self.options.rewind_every == 0:
             data.rewind_missing = "rewind points are off (rewind_every=0)"
         elif summary.get("rewind_point"):
-            data.rewind = rewind.load_rewind_point(
+            data.rewind = rewind_points.load_rewind_point(
                 posixpath.join(self.log_dir, summary["rewind_point"])
             )
         else:

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tb_nanwatch.record.lazy_counts import scalar_total
-from tb_nanwatch.record.stats import backend
+from tb_nanwatch.record.stats import backend, choose
+from tb_nanwatch.record.stats.lazy_counts import scalar_total
 
 __all__ = ["finite_check", "logit_extremes", "grad_norms"]
 
@@ -52,7 +52,7 @@ def finite_check(name: str, tensor, step=None) -> tf.Tensor:
     bool tensor, True when every element of ``tensor`` (a tensor or a nested
     structure of tensors) is finite."""
     tensors = [t for t in _flat(tensor) if t.dtype.is_floating]
-    stats = backend.for_current_graph()
+    stats = choose.for_current_graph()
     zero = tf.constant(0.0)
     nan = stats.exact_total("nan", tensors) if tensors else zero
     inf = stats.exact_total("inf", tensors) if tensors else zero
@@ -69,7 +69,7 @@ def logit_extremes(name: str, logits, step=None) -> tuple[tf.Tensor, tf.Tensor]:
     tensors = [tf.cast(t, tf.float32) for t in _flat(logits)]
     if not tensors:
         raise ValueError("logit_extremes needs at least one tensor")
-    stats = backend.for_current_graph()
+    stats = choose.for_current_graph()
     low, high = backend.overall_extremes([stats.low_high(t) for t in tensors])
     # reduce_min/max skip NaN on some kernels: make a NaN visible.
     poisoned = stats.exact_total("nan", tensors) > 0
@@ -96,7 +96,7 @@ def grad_norms(name: str, grads, variables=None, step=None, per_variable: bool =
             raise ValueError(
                 f"grad_norms got {len(grads)} gradients but {len(variables)} variables"
             )
-    stats = backend.for_current_graph()
+    stats = choose.for_current_graph()
     squares, nonfinite_counts = [], []
     for i, g in enumerate(grads):
         if g is None:

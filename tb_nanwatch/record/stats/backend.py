@@ -1,6 +1,7 @@
 """The statistics backend: what differs between a graph step and an XLA step.
 
-A backend is made once for the step being built (:func:`for_current_graph`)
+A backend is made once for the step being built
+(:func:`tb_nanwatch.record.stats.choose.for_current_graph`)
 and handed to what builds its statistics (the statistics builder, the phase
 statistics, the device record). It holds every cache of that build: graph
 constants, functions traced once for a signature, each tensor's results
@@ -24,8 +25,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from tb_nanwatch.record import lazy_counts
-from tb_nanwatch.record.lazy_counts import KINDS, LazyCount, TakenCount, scalar_total
+from tb_nanwatch.record.stats import lazy_counts
+from tb_nanwatch.record.stats.lazy_counts import KINDS, LazyCount, TakenCount, scalar_total
 
 
 def in_xla() -> bool:
@@ -57,14 +58,6 @@ class DeviceFacts:
         """Whether the process has no GPU and no TPU."""
         with tf.init_scope():
             return not any(tf.config.list_logical_devices(k) for k in ("GPU", "TPU"))
-
-
-def for_current_graph(facts: DeviceFacts | None = None) -> StatsBackend:
-    """A fresh backend for the step being built: XLA's when it compiles it."""
-    from tb_nanwatch.record.stats.graph import GraphStats
-    from tb_nanwatch.record.stats.xla import XlaStats
-
-    return XlaStats(facts) if in_xla() else GraphStats(facts)
 
 
 def f32(t) -> tf.Tensor:

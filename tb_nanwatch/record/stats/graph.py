@@ -1,6 +1,6 @@
 """The statistics of a step run by TensorFlow's graph executor (or eagerly).
 
-* Exact NaN and Inf counts are lazy (:class:`~tb_nanwatch.record.lazy_counts.LazyCount`):
+* Exact NaN and Inf counts are lazy (:class:`~tb_nanwatch.record.stats.lazy_counts.LazyCount`):
   the builder checks every trigger at once and computes the exact counts,
   in one rarely taken conditional (:meth:`GraphStats.rare_cond`), only when
   one of them is non-finite; otherwise every count is exactly 0. The vector
@@ -24,9 +24,9 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.ops import gen_array_ops
 
-from tb_nanwatch.record import lazy_counts
-from tb_nanwatch.record.lazy_counts import LazyCount
+from tb_nanwatch.record.stats import lazy_counts
 from tb_nanwatch.record.stats.backend import DeviceFacts, StatsBackend
+from tb_nanwatch.record.stats.lazy_counts import LazyCount
 
 
 class GraphStats(StatsBackend):

@@ -27,9 +27,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import gen_functional_ops
 
-from tb_nanwatch.record import lazy_counts
-from tb_nanwatch.record.lazy_counts import KINDS, LazyCount, scalar_total, signature, unique
+from tb_nanwatch.record.stats import lazy_counts
 from tb_nanwatch.record.stats.backend import DeviceFacts, StatsBackend, dense_gradients, f32
+from tb_nanwatch.record.stats.lazy_counts import KINDS, LazyCount, scalar_total, signature, unique
 
 try:  # XLA's own ops (one reduction with two results); TensorFlow has no public name for them.
     from tensorflow.compiler.tf2xla.python import xla
@@ -149,7 +149,7 @@ class XlaStats(StatsBackend):
     def counted_in_pass(self, t: tf.Tensor) -> bool:
         """Whether the NaN and Inf counts of ``t`` are exact results of the
         reduction that takes its statistic (a float tensor of known size): two
-        :class:`~tb_nanwatch.record.lazy_counts.TakenCount`.
+        :class:`~tb_nanwatch.record.stats.lazy_counts.TakenCount`.
 
         Lazy counts cost XLA a conditional for every few tensors, each
         compiled with its branch and its triggers; two more int32 results of

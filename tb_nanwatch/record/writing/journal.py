@@ -23,8 +23,8 @@ from tb_nanwatch.evidence import causes, diagnosis, metadata, recorded
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.printable import printable
 from tb_nanwatch.evidence.schema import Schema
-from tb_nanwatch.record import crash_safety
-from tb_nanwatch.record.event_writer import RunWriter
+from tb_nanwatch.record.writing import crash_safety
+from tb_nanwatch.record.writing.event_writer import RunWriter
 
 logger = logging.getLogger("tb_nanwatch")
 
@@ -126,7 +126,7 @@ class RunJournal:
         self.repro_bundle: str | None = None
         self.repro_bundle_exact: bool | None = None
         self._last_flush = time.monotonic()
-        # -- crash safety (see tb_nanwatch.record.crash_safety) --
+        # -- crash safety (see tb_nanwatch.record.writing.crash_safety) --
         self._lock = threading.RLock()
         # Steps submitted to the background worker, not recorded yet (see submit).
         self._queued: collections.deque = collections.deque()
@@ -447,7 +447,7 @@ class RunJournal:
         self.writer.close()
         self._wake.put(None)  # the worker, if any, ends
 
-    # -- crash safety (used by tb_nanwatch.record.crash_safety) ---------------------
+    # -- crash safety (used by tb_nanwatch.record.writing.crash_safety) ---------------------
 
     @property
     def dirty(self) -> bool:

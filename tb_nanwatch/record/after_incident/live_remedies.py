@@ -19,7 +19,7 @@ from collections.abc import Callable
 import keras
 
 from tb_nanwatch.evidence.trials import Trial
-from tb_nanwatch.record.trial_remedies import CLIPNORM, EPSILON
+from tb_nanwatch.record.after_incident.trial_remedies import CLIPNORM, EPSILON
 
 LIVE = ("lower_lr", "fix_schedule", "clip_gradients", "raise_epsilon")
 

@@ -7,7 +7,7 @@ rebuilds the train function; :func:`restore` undoes both.
 The row hand-over: with one step per execution and one replica the step also
 returns its statistics row under ``ROW_KEY``; the wrapped train function
 takes it out of the outputs and gives it straight to the device record
-(:meth:`~tb_nanwatch.record.device_record.DeviceRecord.hand_over`), so the host
+(:meth:`~tb_nanwatch.record.in_step.device_record.DeviceRecord.hand_over`), so the host
 needs no separate read of the device buffer and the row never reaches Keras'
 logs or any callback.
 """
@@ -19,11 +19,11 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from tb_nanwatch.record import step_stats
-from tb_nanwatch.record.device_record import DeviceRecord
-from tb_nanwatch.record.phase_stats import StepInputs
-from tb_nanwatch.record.recorder import StepRecorder
-from tb_nanwatch.record.unseen_variables import built_unseen, seen_creations
+from tb_nanwatch.record.in_step import step_stats
+from tb_nanwatch.record.in_step.device_record import DeviceRecord
+from tb_nanwatch.record.in_step.phase_stats import StepInputs
+from tb_nanwatch.record.in_step.recorder import StepRecorder
+from tb_nanwatch.record.in_step.unseen_variables import built_unseen, seen_creations
 
 # The key under which the instrumented train step also returns the step's row.
 ROW_KEY = "_nanwatch_row"

@@ -23,9 +23,9 @@ import keras
 import tensorflow as tf
 
 from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION
-from tb_nanwatch.record import io_names
-from tb_nanwatch.record.lazy_counts import scalar_total
-from tb_nanwatch.record.taps import LayerTaps, StepTrace, variable_path
+from tb_nanwatch.record.in_step import io_names
+from tb_nanwatch.record.in_step.taps import LayerTaps, StepTrace, variable_path
+from tb_nanwatch.record.stats.lazy_counts import scalar_total
 
 # Every op the statistics add to the step graph is created under this scope.
 STATS_SCOPE = "nanwatch_stats"
@@ -99,7 +99,7 @@ def watchable_input(value: Any) -> tuple[tf.Tensor | None, str]:
 
 
 class PhaseStatistics:
-    """Adds each phase's entries to a :class:`~tb_nanwatch.record.step_stats.StatsBuilder`."""
+    """Adds each phase's entries to a :class:`~tb_nanwatch.record.in_step.step_stats.StatsBuilder`."""
 
     def __init__(self, taps: LayerTaps) -> None:
         self.taps = taps
@@ -114,8 +114,8 @@ class PhaseStatistics:
         gradients (see :meth:`accumulated_header`).
 
         Each entry's fields are given to ``builder`` (a
-        :class:`~tb_nanwatch.record.step_stats.StatsBuilder`) as a function: a
-        :class:`~tb_nanwatch.record.step_stats.SchemaOnlyBuilder` never calls it.
+        :class:`~tb_nanwatch.record.in_step.step_stats.StatsBuilder`) as a function: a
+        :class:`~tb_nanwatch.record.in_step.step_stats.SchemaOnlyBuilder` never calls it.
         """
         if builder.records_values:
             grad_fields = builder.stats.gradient_fields_each(inputs.weight_grads)

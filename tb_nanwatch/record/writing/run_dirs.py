@@ -30,9 +30,8 @@ import posixpath
 import socket
 import threading
 
-import tensorflow as tf
-
-from tb_nanwatch.record.event_writer import EVENT_FILE_SUFFIX
+from tb_nanwatch.record.writing.event_writer import EVENT_FILE_SUFFIX
+from tb_nanwatch.record.writing.files import gfile
 
 logger = logging.getLogger("tb_nanwatch")
 
@@ -45,7 +44,7 @@ def holds_record(run_dir: str) -> bool:
     """Whether ``run_dir`` holds a NanWatch event file (unreadable: no).
     Listed literally: no character of the path is a glob pattern."""
     try:
-        names = tf.io.gfile.listdir(run_dir)
+        names = gfile().listdir(run_dir)
     except Exception:  # noqa: BLE001 - a dir we cannot list holds nothing of ours
         return False
     return any(name.endswith(EVENT_FILE_SUFFIX) for name in names)

@@ -4,7 +4,7 @@ Every ``rewind_every`` steps the session takes a host snapshot of every model
 variable and every optimizer variable (:class:`RewindRing`; the last two are
 kept, plus the state before the first step until two later ones exist); the
 compiled step keeps the batches of the last steps on the device
-(:class:`~tb_nanwatch.record.batch_ring.BatchRing`, read only when a point is
+(:class:`~tb_nanwatch.record.in_step.batch_ring.BatchRing`, read only when a point is
 saved). At an incident or a confirmed explosion the newest snapshot from
 before it (before the explosion's onset, less a margin) and the batches from
 it through the incident go to ``<run dir>/repro/rewind/`` (``rewind.npz`` and
@@ -33,8 +33,8 @@ import numpy as np
 
 from tb_nanwatch.evidence import limits
 from tb_nanwatch.evidence.run_dir_box import is_remote
-from tb_nanwatch.record.bundle import jsonable_structure
-from tb_nanwatch.record.bundle_files import tf_gfile
+from tb_nanwatch.record.after_incident.bundle import jsonable_structure
+from tb_nanwatch.record.writing.files import gfile
 
 REWIND_DIR = "repro/rewind"
 ARRAYS_FILE = "rewind.npz"
@@ -217,7 +217,7 @@ def _find_directory(path: str) -> str:
     if path.endswith(META_FILE):
         return posixpath.dirname(path) if is_remote(path) else os.path.dirname(path)
     join = posixpath.join if is_remote(path) else os.path.join
-    exists = tf_gfile().exists if is_remote(path) else os.path.exists
+    exists = gfile().exists if is_remote(path) else os.path.exists
     for candidate in (path, join(path, *REWIND_DIR.split("/"))):
         if exists(join(candidate, META_FILE)):
             return candidate
@@ -227,10 +227,10 @@ def _find_directory(path: str) -> str:
 def _read_bounded(path: str, limit: int) -> bytes:
     """The file's bytes; a ValueError when it is larger than ``limit``."""
     if is_remote(path):
-        gfile = tf_gfile()
-        if gfile.stat(path).length > limit:
+        fs = gfile()
+        if fs.stat(path).length > limit:
             raise ValueError(f"{path} is larger than expected ({limit} bytes at most)")
-        with gfile.GFile(path, "rb") as f:
+        with fs.GFile(path, "rb") as f:
             return f.read()
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     with os.fdopen(fd, "rb") as f:
@@ -243,7 +243,7 @@ def _directory_for_writing(run_dir: str) -> str:
     """``<run_dir>/repro/rewind``, made as needed; no symbolic link below ``run_dir``."""
     if is_remote(run_dir):
         directory = posixpath.join(run_dir, REWIND_DIR)
-        tf_gfile().makedirs(directory)
+        gfile().makedirs(directory)
         return directory
     directory = run_dir
     for part in REWIND_DIR.split("/"):
@@ -259,10 +259,10 @@ def _write_new(path: str, data: bytes) -> None:
     """Writes ``path``, which must not exist unless this process wrote it."""
     with _created_lock:
         if is_remote(path):
-            gfile = tf_gfile()
-            if gfile.exists(path) and path not in _created:
+            fs = gfile()
+            if fs.exists(path) and path not in _created:
                 raise FileExistsError(f"{path} exists and is not NanWatch's; not overwritten")
-            with gfile.GFile(path, "wb") as f:
+            with fs.GFile(path, "wb") as f:
                 f.write(data)
         else:
             if os.path.lexists(path):

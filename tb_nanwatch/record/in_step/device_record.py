@@ -13,14 +13,14 @@ A :class:`DeviceRecord` holds, in replica-local variables:
   iterations) as they were before the step (``pre_step_weights``), every step
   or only in a step that may be non-finite;
 * with rewind points on, the batches of the last steps
-  (:class:`~tb_nanwatch.record.batch_ring.BatchRing`), read by the host only
+  (:class:`~tb_nanwatch.record.in_step.batch_ring.BatchRing`), read by the host only
   when a rewind point is saved.
 
 The copies stop changing at the first incident, so the reproduction bundle
 holds the exact state that produced it (:meth:`pre_step_state`,
 :meth:`pre_step_optimizer`). With ``on_nonfinite="skip"``/``"rewind"``
 (``restores``) they are taken at every step that may be non-finite instead,
-and :mod:`~tb_nanwatch.record.step_undo` assigns them back after the update
+and :mod:`~tb_nanwatch.record.in_step.step_undo` assigns them back after the update
 of a step to be undone.
 """
 
@@ -35,11 +35,11 @@ from tensorflow.python.ops import gen_resource_variable_ops
 
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import Schema
-from tb_nanwatch.record import step_stats, step_undo
-from tb_nanwatch.record.batch_ring import BatchRing
+from tb_nanwatch.record.in_step import step_stats, step_undo
+from tb_nanwatch.record.in_step.batch_ring import BatchRing
+from tb_nanwatch.record.in_step.taps import variable_path
+from tb_nanwatch.record.in_step.unseen_variables import hidden_from_tf_function
 from tb_nanwatch.record.stats.backend import StatsBackend
-from tb_nanwatch.record.taps import variable_path
-from tb_nanwatch.record.unseen_variables import hidden_from_tf_function
 
 # Sequence numbers are stored in float32: keep them exactly representable.
 SEQ_MODULO = 1 << 23
@@ -69,7 +69,7 @@ class DeviceRecord:
         self.watched_optimizer_variables: list = []  # the variables of those copies
         self.ring: BatchRing | None = None  # see configure_rewind
         # Whether a non-finite step is undone ("skip"/"rewind", set by the
-        # session before the step is traced): see record/step_undo.py.
+        # session before the step is traced): see record/in_step/step_undo.py.
         self.restores = False
         self._last_seq = 0
         self._handed_row: tf.Tensor | None = None

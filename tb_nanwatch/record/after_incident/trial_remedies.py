@@ -7,7 +7,7 @@ feature: mean and variance over the rows) in front of the model,
 standard deviation, ``drop_bad_rows`` leaves out every row holding NaN/Inf.
 The optimizer remedies change the fresh optimizer's config (``clipnorm=1.0``,
 ``epsilon=1e-4``), the schedule remedies the rate of each step. ``lower_lr``
-is a search over several factors, run by :mod:`tb_nanwatch.record.trials`.
+is a search over several factors, run by :mod:`tb_nanwatch.record.after_incident.trials`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_nanwatch.record.trial_replica import CLIP_HIGH, CLIP_LOW, TrialSkipped, Variant
+from tb_nanwatch.record.after_incident.trial_replica import (
+    CLIP_HIGH,
+    CLIP_LOW,
+    TrialSkipped,
+    Variant,
+)
 
 CLIPNORM = 1.0
 EPSILON = 1e-4

@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_nanwatch.record.bundle import match_arrays
+from tb_nanwatch.record.after_incident.bundle import match_arrays
 
 # The probabilities a clipped-predictions loss sees (clip_predictions).
 CLIP_LOW, CLIP_HIGH = 1e-7, 1.0 - 1e-7

@@ -3,7 +3,7 @@
 ``NanWatch`` is a Keras 3 callback; ``fit`` of a ``tf_keras`` model (with
 ``TF_USE_LEGACY_KERAS=1``, ``tf.keras`` is ``tf_keras``) calls it too. For such
 a model the callback uses this module in place of
-:mod:`~tb_nanwatch.record.train_step`: the same recorder, taps and record, in
+:mod:`~tb_nanwatch.record.in_step.train_step`: the same recorder, taps and record, in
 a copy of tf_keras' own ``train_step`` with the recorder's calls. Nothing here
 imports ``tf_keras``: a model is a tf_keras one only when the package is
 already imported (:func:`is_legacy_model`).
@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from tb_nanwatch.record.phase_stats import StepInputs
-from tb_nanwatch.record.recorder import StepRecorder
-from tb_nanwatch.record.unseen_variables import seen_creations
+from tb_nanwatch.record.in_step.phase_stats import StepInputs
+from tb_nanwatch.record.in_step.recorder import StepRecorder
+from tb_nanwatch.record.in_step.unseen_variables import seen_creations
 
 NOT_UNDER_TF_KERAS = (
     "each output's own loss (the total loss is recorded), the rewind points and remedy "

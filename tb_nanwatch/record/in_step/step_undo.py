@@ -3,7 +3,7 @@ and ``"rewind"``).
 
 The device record already copies the trainable weights and the optimizer's
 variables (slots, iterations) before the update of a step that may be
-non-finite (:meth:`~tb_nanwatch.record.device_record.DeviceRecord.copy_pre_step_weights`).
+non-finite (:meth:`~tb_nanwatch.record.in_step.device_record.DeviceRecord.copy_pre_step_weights`).
 When the watcher recovers, those copies are taken on every such step (not
 only up to the first incident), the decision to copy is agreed by every
 replica, and after the update :func:`undo_if_nonfinite` assigns them back

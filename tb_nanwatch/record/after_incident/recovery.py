@@ -1,6 +1,6 @@
 """The host side of ``on_nonfinite="skip"`` and ``"rewind"``.
 
-The compiled step undoes a non-finite step itself (``record/step_undo.py``):
+The compiled step undoes a non-finite step itself (``record/in_step/step_undo.py``):
 its weights, optimizer slots and iterations stay as before it. The session's
 :class:`Recovery` learns which steps were undone from the rows it already
 reads (the same rule, :class:`~tb_nanwatch.evidence.diagnosis.UndoneSteps`;
@@ -12,7 +12,7 @@ no extra device read) and:
   runs the remedy trials (once, within ``trial_budget_s``), puts the weights
   and the optimizer's state back to the newest rewind point from before the
   onset, sets the best remedy whose trial said ``fixed`` and that a live run
-  can take (``record/live_remedies.py``) on the optimizer, tells the journal
+  can take (``record/after_incident/live_remedies.py``) on the optimizer, tells the journal
   (the steps after are judged afresh) and goes on; the batches since the
   rewind point are not trained on again (the data iterator just continues).
   Each rewind is one entry of ``recoveries`` in the run summary (``step``,
@@ -35,9 +35,9 @@ import numpy as np
 
 from tb_nanwatch.evidence import diagnosis
 from tb_nanwatch.evidence import trials as evidence_trials
-from tb_nanwatch.record import live_remedies, trials
-from tb_nanwatch.record.live_remedies import LiveChange, NotLive
-from tb_nanwatch.record.rewind import ONSET_MARGIN, Snapshot
+from tb_nanwatch.record.after_incident import live_remedies, trials
+from tb_nanwatch.record.after_incident.live_remedies import LiveChange, NotLive
+from tb_nanwatch.record.after_incident.rewind_points import ONSET_MARGIN, Snapshot
 
 
 class Recovery:

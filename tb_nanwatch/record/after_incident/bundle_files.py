@@ -22,16 +22,10 @@ from typing import Any
 import numpy as np
 
 from tb_nanwatch.evidence import limits, run_dir_box
+from tb_nanwatch.record.writing.files import gfile
 
 BUNDLE_DIR = "repro"
 _STEP_DIR = re.compile(r"step_\d+")
-
-
-def tf_gfile():
-    """``tf.io.gfile``, imported when a remote (``gs://``) path is first met."""
-    import tensorflow as tf
-
-    return tf.io.gfile
 
 
 def bundle_box(directory: str) -> tuple[str, str]:
@@ -61,12 +55,12 @@ def find_bundle_dir(path: str) -> str:
     """``path`` when it holds ``bundle.json``, else its first ``repro/step_<N>``
     (listed literally: a path with ``[`` or ``*`` is a name, not a pattern)."""
     remote = run_dir_box.is_remote(path)
-    exists = tf_gfile().exists if remote else os.path.lexists
+    exists = gfile().exists if remote else os.path.lexists
     if exists(posixpath.join(path, "bundle.json")):
         return path
     repro = posixpath.join(path, BUNDLE_DIR)
     try:
-        names = tf_gfile().listdir(repro) if remote else os.listdir(repro)
+        names = gfile().listdir(repro) if remote else os.listdir(repro)
     except Exception:  # noqa: BLE001 - missing or unreadable: no bundle
         names = []
     steps = sorted(n.rstrip("/") for n in names if _STEP_DIR.fullmatch(n.rstrip("/")))
@@ -79,9 +73,9 @@ def find_bundle_dir(path: str) -> str:
 
 def _read_bytes(path: str, max_bytes: int, what: str) -> bytes:
     if run_dir_box.is_remote(path):
-        gfile = tf_gfile()
-        size = gfile.stat(path).length
-        reader = gfile.GFile(path, "rb")
+        fs = gfile()
+        size = fs.stat(path).length
+        reader = fs.GFile(path, "rb")
     else:
         reader = open(path, "rb")  # noqa: SIM115 - closed below
         size = os.fstat(reader.fileno()).st_size
@@ -156,14 +150,14 @@ def read_arrays(directory: str, required: list[str], optional: list[str]) -> dic
 def write_member(directory: str, name: str, data: bytes) -> str:
     """Writes the file ``name`` of a bundle dir, never through a symlink."""
     if run_dir_box.is_remote(directory):
-        gfile = tf_gfile()
-        gfile.makedirs(directory)
+        fs = gfile()
+        fs.makedirs(directory)
         path = posixpath.join(directory, run_dir_box.relative_path(name))
-        if gfile.exists(path):
+        if fs.exists(path):
             # Removed first: some file systems (ram://) do not truncate a file
             # opened for writing, and a shorter body would leave the old tail.
-            gfile.remove(path)
-        with gfile.GFile(path, "wb") as f:
+            fs.remove(path)
+        with fs.GFile(path, "wb") as f:
             f.write(data)
         return path
     root, relative = bundle_box(directory)

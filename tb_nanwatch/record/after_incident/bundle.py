@@ -13,7 +13,7 @@ replays the step.
 The model may travel with the bundle (``save_model``: ``model.keras`` beside
 it, or the reason it could not be saved in ``bundle.json``), so that
 ``tb-nanwatch replay RUN_DIR`` works on a run dir someone sent; the replay's
-answer is written beside it as ``replay.json`` (``tb_nanwatch.record.replay``).
+answer is written beside it as ``replay.json`` (``tb_nanwatch.record.after_incident.replay``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from tb_nanwatch.record import bundle_files
-from tb_nanwatch.record.bundle_files import BUNDLE_DIR
+from tb_nanwatch.record.after_incident import bundle_files
+from tb_nanwatch.record.after_incident.bundle_files import BUNDLE_DIR
+from tb_nanwatch.record.writing.files import gfile
 
 MODEL_FILE = "model.keras"
 # Beside a rewind point without a bundle (an explosion): what bundle.json says of the model.
@@ -179,7 +180,7 @@ def load_bundle(path: str) -> ReproBundle:
     """Loads the (first) bundle of a run dir, or the bundle dir itself.
 
     Its files are read only inside the run dir and within the limits of
-    :mod:`tb_nanwatch.evidence.limits` (see :mod:`~tb_nanwatch.record.bundle_files`);
+    :mod:`tb_nanwatch.evidence.limits` (see :mod:`~tb_nanwatch.record.after_incident.bundle_files`);
     a problem is one line: a ValueError or FileNotFoundError.
     """
     directory = bundle_files.find_bundle_dir(path)
@@ -336,7 +337,7 @@ def load_model(
         reason = bundle.info.get("model_not_saved", "it was recorded without one")
         raise FileNotFoundError(f"no model saved beside the bundle in {bundle.directory}: {reason}")
     path = bundle_files.member(bundle.directory, bundle.info["model"], "the bundle's model")
-    if not bundle_files.tf_gfile().exists(path):
+    if not gfile().exists(path):
         raise FileNotFoundError(f"the bundle's model file {path} is missing")
     model = keras.saving.load_model(path, custom_objects=custom_objects, safe_mode=not unsafe)
     loss = bundle.info.get("replay_loss")

@@ -1,6 +1,6 @@
 """Writes synthetic NaN Watch runs, without TensorFlow, for benchmarks and tests.
 
-The run goes through the real :class:`~tb_nanwatch.record.journal.RunJournal`, so its
+The run goes through the real :class:`~tb_nanwatch.record.writing.journal.RunJournal`, so its
 files are exactly what a watched training run writes.
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION, Schema
-from tb_nanwatch.record.journal import RunJournal
+from tb_nanwatch.record.writing.journal import RunJournal
 
 
 def build_schema(num_layers: int, num_inputs: int = 1) -> Schema:

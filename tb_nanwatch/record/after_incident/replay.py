@@ -43,9 +43,9 @@ import numpy as np
 import tensorflow as tf
 
 from tb_nanwatch.evidence import run_dir_box
-from tb_nanwatch.record import bundle_files
-from tb_nanwatch.record.bundle import REPLAY_FILE, ReproBundle, match_arrays
-from tb_nanwatch.record.taps import layer_paths
+from tb_nanwatch.record.after_incident import bundle_files
+from tb_nanwatch.record.after_incident.bundle import REPLAY_FILE, ReproBundle, match_arrays
+from tb_nanwatch.record.in_step.taps import layer_paths
 
 LossFn = Callable[..., Any]
 _CHECK_MARKER = "Detected Infinity or NaN"

@@ -2,7 +2,7 @@
 
 After training stops at an incident or an explosion (and in ``tb-nanwatch
 replay``), :func:`run_trials` tries each remedy the cause offers on a copy of
-the model (:mod:`tb_nanwatch.record.trial_replica`; the trained model and the
+the model (:mod:`tb_nanwatch.record.after_incident.trial_replica`; the trained model and the
 user's optimizer are never touched) and says whether it kept the run finite:
 
 * a step-local cause (bad input data, the optimizer's update, a float16
@@ -51,9 +51,15 @@ from tb_nanwatch.evidence import run_dir_box
 from tb_nanwatch.evidence import trials as evidence_trials
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.trials import TRIALS_FILE, TRIALS_VERSION, Trial
-from tb_nanwatch.record import trial_remedies
-from tb_nanwatch.record.bundle import BUNDLE_DIR, ReproBundle, rebuild_batch
-from tb_nanwatch.record.trial_replica import Replica, Start, TrialSkipped, Variant, short
+from tb_nanwatch.record.after_incident import trial_remedies
+from tb_nanwatch.record.after_incident.bundle import BUNDLE_DIR, ReproBundle, rebuild_batch
+from tb_nanwatch.record.after_incident.trial_replica import (
+    Replica,
+    Start,
+    TrialSkipped,
+    Variant,
+    short,
+)
 
 # Causes that grew over many steps: their trials start from a rewind point.
 FROM_REWIND = ("growth_overflow", "explosion", "unscaled_data")
@@ -75,7 +81,7 @@ Progress = Callable[[str], None]
 @dataclasses.dataclass
 class TrialData:
     """What the trials start from: the reproduction bundle, the rewind point
-    (``record/rewind.py``'s ``RewindPoint``) or why there is none, and the
+    (``record/after_incident/rewind_points.py``'s ``RewindPoint``) or why there is none, and the
     run's optimizer (the object, or its Keras serialization)."""
 
     bundle: ReproBundle | None = None

@@ -1,6 +1,6 @@
 """Crash safety: the on-disk record survives kills, SIGTERM and exceptions.
 
-Every open :class:`~tb_nanwatch.record.journal.RunJournal` registers here while it is
+Every open :class:`~tb_nanwatch.record.writing.journal.RunJournal` registers here while it is
 open (it does so itself). This module then guarantees:
 
 * **SIGKILL / power loss**: nothing can run, so the journal flushes often. It

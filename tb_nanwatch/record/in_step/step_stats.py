@@ -16,8 +16,8 @@ import numpy as np
 import tensorflow as tf
 
 from tb_nanwatch.evidence.schema import Schema
-from tb_nanwatch.record.lazy_counts import LazyCount, TakenCount, scalar_total, unique
 from tb_nanwatch.record.stats.backend import StatsBackend, f32
+from tb_nanwatch.record.stats.lazy_counts import LazyCount, TakenCount, scalar_total, unique
 
 # How each field reduces across replicas.
 _FIELD_OPS = {

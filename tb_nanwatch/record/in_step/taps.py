@@ -17,7 +17,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tb_nanwatch.record import io_names
+from tb_nanwatch.record.in_step import io_names
 
 
 @dataclasses.dataclass

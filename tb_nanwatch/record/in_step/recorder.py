@@ -1,11 +1,11 @@
 """The in-graph half of NanWatch, for both front ends: one train step, recorded.
 
 :class:`StepRecorder` composes the three parts a watched step needs: the
-layer taps (:mod:`tb_nanwatch.record.taps`, which tensors are watched), the
-statistics of each phase (:mod:`tb_nanwatch.record.phase_stats`) and the device
-record (:mod:`tb_nanwatch.record.device_record`: ring buffer, batch stash, pre-step
+layer taps (:mod:`tb_nanwatch.record.in_step.taps`, which tensors are watched), the
+statistics of each phase (:mod:`tb_nanwatch.record.in_step.phase_stats`) and the device
+record (:mod:`tb_nanwatch.record.in_step.device_record`: ring buffer, batch stash, pre-step
 weight copies, the one host read). The Keras train step
-(:mod:`tb_nanwatch.record.train_step`) and the custom-loop handle
+(:mod:`tb_nanwatch.record.in_step.train_step`) and the custom-loop handle
 (:class:`~tb_nanwatch.record.custom_loop.StepRecording`) call
 :meth:`~StepRecorder.before_update` before the optimizer's update and
 :meth:`~StepRecorder.after_update` after it.
@@ -22,11 +22,16 @@ import tensorflow as tf
 
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import FIELDS, Schema
-from tb_nanwatch.record import step_stats, step_undo
-from tb_nanwatch.record.device_record import DeviceRecord
-from tb_nanwatch.record.phase_stats import STATS_SCOPE, PhaseStatistics, StepInputs, readers_first
-from tb_nanwatch.record.stats import backend
-from tb_nanwatch.record.taps import LayerTaps, StepTrace, keras_kinds
+from tb_nanwatch.record.in_step import step_stats, step_undo
+from tb_nanwatch.record.in_step.device_record import DeviceRecord
+from tb_nanwatch.record.in_step.phase_stats import (
+    STATS_SCOPE,
+    PhaseStatistics,
+    StepInputs,
+    readers_first,
+)
+from tb_nanwatch.record.in_step.taps import LayerTaps, StepTrace, keras_kinds
+from tb_nanwatch.record.stats import backend, choose
 
 
 class StepPatternError(Exception):
@@ -160,7 +165,7 @@ class StepRecorder:
         weight_gradients = list(inputs.grads[: len(inputs.weights)])
         # The statistics backend, chosen once for the step being built: it
         # knows whether XLA compiles the step and holds this build's caches.
-        stats = backend.for_current_graph(self.device_facts)
+        stats = choose.for_current_graph(self.device_facts)
         self.optimizer = inputs.optimizer if inputs.optimizer is not None else self.optimizer
         self.built_for_xla = backend.in_xla()
         accumulating = self.micro_batches > 1

@@ -1,0 +1,1 @@
+"""After an incident: bundles, rewind points, replay, remedy trials and recovery."""

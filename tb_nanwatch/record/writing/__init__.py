@@ -1,0 +1,1 @@
+"""Writing the record: the journal, event files, run directories and crash safety (no TensorFlow import here)."""
