@@ -227,7 +227,7 @@ class NanWatch(keras.callbacks.Callback):
             compiled = step.instrument(model, self._recorder, compiled)
             self._compiled = (built_from, self._recorder, compiled)
             if self._session.recovery is not None and step is train_step:
-                self._session.recovery.retrace = self._retrace
+                self._session.recovery.use_retrace(self._retrace)
         except Exception as error:  # noqa: BLE001 - never break the user's fit
             self._restore_model()
             warn_stopped_watching(f"could not instrument the train step: {error!r}")

@@ -178,9 +178,14 @@ class StepWatcher:
         if loss_fn is not None:
             info["loss_from_logits"] = loss_from_logits(loss_fn)
         self.session = WatchSession(
-            log_dir, self.recorder, options, info, self.recorder.uninstall, RunPlacement()
+            log_dir,
+            self.recorder,
+            options,
+            info,
+            self.recorder.uninstall,
+            RunPlacement(),
+            replay_loss=loss_fn,
         )
-        self.session.replay_loss = loss_fn
         self.log_dir = self.session.log_dir
 
     # -- in the compiled step ------------------------------------------------
@@ -325,7 +330,7 @@ class StepRecording:
                 "rec.gradients() needs the gradients of every tensor rec.sources() returned"
             )
         if self.total_loss is None:
-            recorder.trace_error = ValueError("rec.loss(...) was not called in the step")
+            recorder.fail_trace(ValueError("rec.loss(...) was not called in the step"))
             return all_grads[:n]
         inputs = StepInputs(
             trace=self.trace,

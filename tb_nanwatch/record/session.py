@@ -283,6 +283,7 @@ class WatchSession:
         run_info: dict,
         release: Callable[[], None],
         placement: RunPlacement,
+        replay_loss: Callable | None = None,
     ) -> None:
         self.recorder = recorder
         self.options = options
@@ -295,7 +296,7 @@ class WatchSession:
             self.run_info["workers"] = self.worker.tasks
         self._release = release
         # A custom loop's loss, for the replay (a compiled model has its own).
-        self.replay_loss: Callable | None = None
+        self.replay_loss = replay_loss
         self.journal: RunJournal | None = None
         self.incident: dict | None = None
         self.disabled = False
@@ -304,7 +305,12 @@ class WatchSession:
         self.epoch = 0
         self.batch_in_epoch = 0
         # Rewind points: snapshots every rewind_every steps (None when off).
-        self.rewind: RewindRing | None = RewindRing.attach(recorder, options)
+        self.rewind: RewindRing | None = None
+        if options.rewind_every:
+            self.rewind = RewindRing(
+                options.rewind_every, options.rewind_memory_mb, recorder.steps_per_execution
+            )
+            recorder.use_rewind_points(self.rewind)
         # "skip"/"rewind": the compiled step undoes a non-finite step; the
         # host side counts, rewinds and stops (record/after_incident/recovery.py).
         if options.recovers and not hasattr(recorder.device, "pre_step_pairs"):
@@ -312,7 +318,8 @@ class WatchSession:
                 f"on_nonfinite={options.on_nonfinite!r} undoes a step inside a Keras model's "
                 "compiled step (fit or a StepWatcher loop); here use 'stop', 'raise' or 'continue'"
             )
-        recorder.device.restores = options.recovers
+        if options.recovers:
+            recorder.undo_nonfinite_steps()
         self.recovery: Recovery | None = Recovery(self) if options.recovers else None
         if self.recovery is not None:
             self.run_info.update(self.recovery.summary())  # none yet, said from the start

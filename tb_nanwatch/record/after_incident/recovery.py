@@ -43,9 +43,9 @@ from tb_nanwatch.record.after_incident.rewind_points import ONSET_MARGIN, Snapsh
 class Recovery:
     """Skips and rewinds of one watched run (see the module docstring).
 
-    ``session`` is the run's ``WatchSession``; ``retrace`` (set by the front
-    end when it can trace the step again: ``fit``'s) makes the compiled step
-    read an optimizer setting that is read at trace time.
+    ``session`` is the run's ``WatchSession``; ``retrace`` (given by the front
+    end that can trace the step again, ``fit``'s, through :meth:`use_retrace`)
+    makes the compiled step read an optimizer setting that is read at trace time.
     """
 
     def __init__(self, session) -> None:
@@ -65,6 +65,10 @@ class Recovery:
         self._kept: list[int] = []  # non-finite steps the compiled step could not undo
         self._explosion_seen: dict | None = None
         self._cause: dict | None = None
+
+    def use_retrace(self, retrace: Callable[[], None]) -> None:
+        """How the front end traces the compiled step again (see the class docstring)."""
+        self.retrace = retrace
 
     # -- per step ------------------------------------------------------------------
 

@@ -293,7 +293,8 @@ class RewindRing:
 
     The session calls :meth:`take` when :meth:`due`, :meth:`note_step` for
     each recorded step, and :meth:`save` at an incident or an explosion; the
-    recorder calls :meth:`take_initial` when it builds the step.
+    recorder (given the ring by ``StepRecorder.use_rewind_points``) calls
+    :meth:`take_initial` when it builds the step.
     """
 
     def __init__(self, every: int, memory_mb: float, steps_per_execution: int = 1) -> None:
@@ -308,21 +309,6 @@ class RewindRing:
         self._rates: dict[int, float] = {}
         self._lr_index: int | None = None
         self._initial_done = False
-
-    @classmethod
-    def attach(cls, recorder, options) -> RewindRing | None:
-        """The ring of a new session on ``recorder`` (None with ``rewind_every=0``)."""
-        if not options.rewind_every:
-            return None
-        ring = cls(options.rewind_every, options.rewind_memory_mb, recorder.steps_per_execution)
-        recorder.rewind = ring
-        if getattr(recorder, "micro_batches", 1) > 1:
-            ring.give_up("a step of several micro-batches is not kept in the batch ring")
-            return ring
-        recorder.device.configure_rewind(ring.slots, ring.max_bytes)
-        if recorder.device.row_width:  # a step built by an earlier fit: no new trace
-            ring.take_initial(recorder.model, recorder.optimizer, recorder.device)
-        return ring
 
     # -- snapshots ---------------------------------------------------------------
 

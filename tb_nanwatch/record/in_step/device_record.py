@@ -77,6 +77,10 @@ class DeviceRecord:
         # until then, or when they were created eagerly).
         self.created_in_graph = None
 
+    def undo_nonfinite_steps(self) -> None:
+        """The step undoes a non-finite step (see ``restores``); before it is traced."""
+        self.restores = True
+
     def configure_rewind(self, slots: int, max_bytes: int) -> None:
         """Keeps the batches of the last ``slots`` steps on the device (for
         rewind points), within ``max_bytes``; before the step is traced (a

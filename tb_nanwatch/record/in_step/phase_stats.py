@@ -123,14 +123,11 @@ class PhaseStatistics:
             grad_fields = [{} for _ in inputs.weight_grads]
         if not micro_batch:
             self.header(builder, inputs, grad_fields)
-        builder.micro_batch = micro_batch
-        try:
+        with builder.entries_of_micro_batch(micro_batch):
             self.input(builder, inputs)
             self.forward(builder, inputs)
             self.loss(builder, inputs)
             self.backward(builder, inputs, grad_fields)
-        finally:
-            builder.micro_batch = None
         return grad_fields
 
     def accumulated_header(self, builder, passes: list[tuple[StepInputs, list]]) -> None:

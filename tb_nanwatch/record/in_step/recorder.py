@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
+from typing import Protocol
 
 import keras
 import tensorflow as tf
@@ -32,6 +33,26 @@ from tb_nanwatch.record.in_step.phase_stats import (
 )
 from tb_nanwatch.record.in_step.taps import LayerTaps, StepTrace, keras_kinds
 from tb_nanwatch.record.stats import backend, choose
+
+
+class RewindPoints(Protocol):
+    """What the recorder needs of the rewind points' host side
+    (:class:`~tb_nanwatch.record.after_incident.rewind_points.RewindRing`)."""
+
+    slots: int  # steps of batches the device-side ring keeps
+    max_bytes: int  # the memory the ring may use
+
+    def give_up(self, why: str) -> None: ...
+
+    def take_initial(self, model, optimizer, device) -> None: ...
+
+
+class _OpenSteps(threading.local):
+    """The step each graph (and replica thread) is building, between its
+    first pass and ``after_update``: one dict a thread."""
+
+    def __init__(self) -> None:
+        self.steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class StepPatternError(Exception):
@@ -70,9 +91,7 @@ class StepRecorder:
         self.model = model
         # Forward/backward passes per step (gradient accumulation); see before_update.
         self.micro_batches = micro_batches
-        # The step each graph (and replica thread) is building, between its
-        # first pass and after_update.
-        self._open = threading.local()
+        self._open = _OpenSteps()
         # Whether a step was built for XLA (None until one is built).
         self.built_for_xla: bool | None = None
         self.device = DeviceRecord(steps_per_execution, pre_step_weights)
@@ -90,9 +109,9 @@ class StepRecorder:
         self._discarded_trace = None  # see _trace_never_runs
         # The optimizer the step applies (known from the first trace on), and
         # the rewind points' host side, which takes the state before the
-        # first step when that trace is built (set by the session).
+        # first step when that trace is built (see use_rewind_points).
         self.optimizer = None
-        self.rewind = None
+        self.rewind: RewindPoints | None = None
 
     @property
     def steps_per_execution(self) -> int:
@@ -102,6 +121,26 @@ class StepRecorder:
     def watched_weights(self) -> list | None:
         """The variables whose pre-step copies the device record holds."""
         return self.device.watched_weights
+
+    def use_rewind_points(self, rewind: RewindPoints) -> None:
+        """Keeps the batches of the last ``rewind.slots`` steps on the device
+        for ``rewind`` and hands it the state before the first step."""
+        self.rewind = rewind
+        if self.micro_batches > 1:
+            rewind.give_up("a step of several micro-batches is not kept in the batch ring")
+            return
+        self.device.configure_rewind(rewind.slots, rewind.max_bytes)
+        if self.device.row_width:  # a step built by an earlier fit: no new trace
+            rewind.take_initial(self.model, self.optimizer, self.device)
+
+    def undo_nonfinite_steps(self) -> None:
+        """The compiled step undoes a non-finite step (``on_nonfinite`` "skip"
+        or "rewind"); before the step is traced."""
+        self.device.undo_nonfinite_steps()
+
+    def fail_trace(self, error: Exception) -> None:
+        """The step cannot be recorded: ``error`` says why (raised on the host)."""
+        self.trace_error = error
 
     def install(self) -> None:
         self.taps.install()
@@ -146,10 +185,7 @@ class StepRecorder:
         return pending
 
     def _open_steps(self) -> weakref.WeakKeyDictionary:
-        steps = getattr(self._open, "steps", None)
-        if steps is None:
-            steps = self._open.steps = weakref.WeakKeyDictionary()
-        return steps
+        return self._open.steps
 
     def _first_pass(self, inputs: StepInputs) -> PendingStep:
         """Micro-batch 0 (the only pass without accumulation): the header,

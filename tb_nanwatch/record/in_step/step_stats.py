@@ -12,6 +12,9 @@ applied once, to the packed vector.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import tensorflow as tf
 
@@ -45,7 +48,24 @@ def replicas_in_sync() -> int:
     return ctx.num_replicas_in_sync if ctx is not None else 1
 
 
-class SchemaOnlyBuilder:
+class _MicroBatchEntries:
+    """What both builders share: the micro-batch the entries added now belong
+    to (gradient accumulation: several forward/backward passes in one step);
+    None for a step with one pass."""
+
+    micro_batch: int | None = None
+
+    @contextlib.contextmanager
+    def entries_of_micro_batch(self, micro_batch: int | None) -> Iterator[None]:
+        """Entries added inside belong to ``micro_batch``."""
+        self.micro_batch = micro_batch
+        try:
+            yield
+        finally:
+            self.micro_batch = None
+
+
+class SchemaOnlyBuilder(_MicroBatchEntries):
     """Collects the entries of a step and none of their values: for a trace
     that TensorFlow never runs (see ``StepRecorder.before_update``)."""
 
@@ -54,7 +74,6 @@ class SchemaOnlyBuilder:
     def __init__(self, stats: StatsBackend) -> None:
         self.stats = stats  # the step's statistics backend
         self.schema = Schema()
-        self.micro_batch: int | None = None  # see StatsBuilder.micro_batch
 
     def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields) -> None:
         self.schema.add(phase, kind, layer, _labelled(tensor, self.micro_batch), self.micro_batch)
@@ -63,7 +82,7 @@ class SchemaOnlyBuilder:
         """Nothing to replace: no values are recorded."""
 
 
-class StatsBuilder:
+class StatsBuilder(_MicroBatchEntries):
     """Collects fields entry by entry; ``vector()`` reduces and packs them."""
 
     records_values = True
@@ -85,10 +104,6 @@ class StatsBuilder:
         # What maybe_nonfinite() answered, and for how many of _sum_specs.
         self._maybe_nonfinite: tf.Tensor | None = None
         self._checked = 0
-        # The micro-batch the entries added now belong to (gradient
-        # accumulation: several forward/backward passes in one step); None
-        # for a step with one pass.
-        self.micro_batch: int | None = None
 
     def add(self, phase: str, kind: str, layer: str | None, tensor: str, fields) -> None:
         """Adds an entry; ``fields`` is its dict of values or a function returning it."""
