@@ -170,7 +170,7 @@ def _add_export_command(commands) -> None:
     export.set_defaults(handler=_export)
 
 
-# -- replay (tb_nanwatch/record/after_incident/replay.py, record/after_incident/trials.py) ------------------------
+# -- replay (record/after_incident/follow_up.py: replay.py, then trials.py) -------------------
 
 
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -193,10 +193,8 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except (OSError, ValueError, TypeError) as error:  # TypeError: an unknown custom class
         print(f"tb-nanwatch replay: error: {_load_error(error, saved.info)}", file=err)
         return EXIT_USAGE
-    origin = replay.replay_step(model, saved, loss_fn)
-    replay.write_result(saved, origin)
     run_dir = os.path.dirname(os.path.dirname(saved.directory.rstrip("/")))
-    found = None if args.no_trials else _trials(run_dir, saved, model, loss_fn, err)
+    origin, found = _replay_then_trials(args, run_dir, saved, model, loss_fn, err)
     if args.json:
         body = {"step": saved.step, "op": origin and origin.to_json()}
         out.write(json.dumps({**body, **_trials_json(found)}) + "\n")
@@ -223,7 +221,7 @@ def _replay_explosion(args, out: TextIO, err: TextIO, custom: dict, missing: Exc
     except (OSError, ValueError, TypeError) as error:
         print(f"tb-nanwatch replay: error: {_load_error(error, info)}", file=err)
         return EXIT_USAGE
-    found = None if args.no_trials else _trials(args.run_dir, None, model, loss_fn, err)
+    _, found = _replay_then_trials(args, args.run_dir, None, model, loss_fn, err)
     if args.json:
         out.write(json.dumps({"step": None, "op": None, **_trials_json(found)}) + "\n")
         return EXIT_OK
@@ -307,33 +305,48 @@ def _import_modules(names: list[str]) -> dict:
     return found
 
 
-def _trials(run_dir: str, saved, model, loss_fn, err: TextIO):
-    """The remedy trials from the run dir's bundle (``saved``, or None) and
-    rewind point, written to its ``repro/trials.json``; None (after a warning
-    line) when they cannot run or there is nothing to try."""
-    from tb_nanwatch.evidence.options import WatchOptions
-    from tb_nanwatch.record.after_incident import rewind_points, trials
+def _replay_then_trials(args, run_dir: str, saved, model, loss_fn, err: TextIO) -> tuple:
+    """(op, trials): the replay of the bundle ``saved`` (None: no bundle, no
+    replay), then the remedy trials from it and the run dir's rewind point,
+    written to its ``repro/trials.json`` (None after a warning line when they
+    cannot run, or when there is nothing to try; ``--no-trials``: not run)."""
+    from tb_nanwatch.record.after_incident import follow_up
 
-    try:
-        run = _run_of(run_dir)
-        cause, summary = run["cause"], run["summary"]
-        if not cause or not cause.get("remedy_ids"):
-            return None
-        data = trials.TrialData(bundle=saved)
-        if summary.get("rewind_point"):
-            data.rewind = rewind_points.load_rewind_point(run_dir)
-        else:
-            data.rewind_missing = summary.get("rewind_point_not_taken") or "none was saved"
-        options = WatchOptions(explosion_factor=summary.get("explosion_factor", 1e3))
-        found = trials.run_trials(model, cause, data, loss_fn, options, _progress(err))
-        if not found:
-            return None  # only advice: nothing to try
-        step = saved.step if saved is not None else (summary.get("explosion") or {}).get("step")
-        trials.write_trials(run_dir, step, cause, found)
-    except Exception as error:  # noqa: BLE001 - the replay's answer stands without trials
+    def failed(stage: str, error: Exception) -> None:
+        if stage == "replay":
+            raise error
         print(f"tb-nanwatch replay: remedy trials not run: {_one_line(error)}", file=err)
-        return None
-    return found
+
+    done = follow_up.replay_then_trials(
+        model,
+        loss_fn,
+        run_dir,
+        replay=None if saved is None else (lambda: saved),
+        trials=None if args.no_trials else (lambda: _trial_input(run_dir, saved)),
+        hooks=follow_up.Hooks(failed=failed, progress=_progress(err)),
+    )
+    return done.origin, done.trials
+
+
+def _trial_input(run_dir: str, saved):
+    """What the trials of the run written in ``run_dir`` need: its cause, the
+    step (the bundle's, else the explosion's), its explosion line, and the
+    bundle ``saved`` and the rewind point to start from."""
+    from tb_nanwatch.evidence.options import WatchOptions
+    from tb_nanwatch.record.after_incident import follow_up, rewind_points, trials
+
+    run = _run_of(run_dir)
+    cause, summary = run["cause"], run["summary"]
+
+    def data() -> trials.TrialData:
+        if summary.get("rewind_point"):
+            return trials.TrialData(saved, rewind=rewind_points.load_rewind_point(run_dir))
+        missing = summary.get("rewind_point_not_taken") or "none was saved"
+        return trials.TrialData(saved, rewind_missing=missing)
+
+    options = WatchOptions(explosion_factor=summary.get("explosion_factor", 1e3))
+    step = saved.step if saved is not None else (summary.get("explosion") or {}).get("step")
+    return follow_up.TrialInput(cause, step, options, data)
 
 
 def _progress(err: TextIO):

@@ -3,7 +3,7 @@ run list's cause line (issues 14 and 15), in headless Chromium.
 
 The page is the built bundle (tb_nanwatch/board/static/) served by a small HTTP
 server that answers the plugin's routes with fixture JSON written here to the
-contract of docs/routes.md plus the `cause`, `bundle` and `op` keys: a growth
+contract of docs/reference/routes.md plus the `cause`, `bundle` and `op` keys: a growth
 overflow with its bundle and op, an explosion without NaN, an unknown cause,
 a cause only the served vocabulary knows, an older run without the new keys, a
 healthy run, and hostile strings. The `vocabulary` route answers Python's

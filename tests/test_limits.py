@@ -4,7 +4,8 @@ memory or time, and one run beyond a limit never hides the others.
 Each attack is a run dir written by the project's own writers, then tampered
 with; ``tb-nanwatch`` opens it in a guarded interpreter (closed_box_lib) that
 measures the peak memory of each command. The limits are those of
-``tb_nanwatch.evidence.limits`` (stated in the README, "Sharing run dirs").
+``tb_nanwatch.evidence.limits``, stated in docs/reference/limits.md (checked
+here against the code).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,6 +40,7 @@ from tb_nanwatch.record.writing.event_writer import RunWriter, _string_tensor, j
 from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
 BUNDLE = "repro/step_000000008"
+LIMITS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "limits.md"
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +242,34 @@ def test_the_bundle_limit_can_be_raised_for_a_trusted_bundle(monkeypatch):
     assert limits.max_bundle_bytes() == 2048 * 2**20
     monkeypatch.setenv(limits.BUNDLE_LIMIT_VARIABLE, "not a number")
     assert limits.max_bundle_bytes() == limits.MAX_BUNDLE_BYTES
+
+
+def _table_rows(markdown: str) -> list[list[str]]:
+    """The cells of each row of the page's tables (header and rule rows left out)."""
+    rows = []
+    for line in markdown.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and not set("".join(cells)) <= set("-: "):
+            rows.append(cells)
+    return rows
+
+
+def test_the_limits_page_states_the_limits_of_the_code():
+    rows = _table_rows(LIMITS_PAGE.read_text())
+    stated = {
+        "`bundle.npz`": (
+            f"{limits.MAX_BUNDLE_BYTES // limits.MB} MB",
+            f"`{limits.BUNDLE_LIMIT_VARIABLE}=",
+        ),
+        "NaN Watch tag": (f"{limits.MAX_TENSOR_BYTES // limits.MB} MB",),
+        "JSON text": (
+            f"{limits.MAX_JSON_BYTES // limits.MB} MB, nested at most {limits.MAX_JSON_DEPTH} deep",
+        ),
+        "`skipped_ranges`": (f"{limits.MAX_SKIPPED_STEPS:,}",),
+        "`batch_size`": (str(limits.MAX_BATCH_PARTS),),
+    }
+    for what, words in stated.items():
+        limit_cells = [row[1] for row in rows if len(row) == 3 and what in row[0]]
+        assert len(limit_cells) == 1, f"one row of {LIMITS_PAGE.name} names {what}"
+        for word in words:
+            assert word in limit_cells[0], (what, word, limit_cells[0])

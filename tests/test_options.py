@@ -124,9 +124,9 @@ def test_a_front_end_takes_every_option_with_the_options_default(front_end):
 
 
 def test_the_defaults_are_the_documented_ones(tmp_path):
-    # The README's option table documents every option and its default.
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    rows = re.findall(r"^\| `(\w+)` \| `([^`]+)` \|", readme, flags=re.MULTILINE)
+    # The reference's option table documents every option and its default.
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "reference" / "options.md"
+    rows = re.findall(r"^\| `(\w+)` \| `([^`]+)` \|", page.read_text(), flags=re.MULTILINE)
     documented = {name: ast.literal_eval(default) for name, default in rows}
     defaults = {f.name: f.default for f in dataclasses.fields(WatchOptions)}
     assert {name: documented.get(name) for name in defaults} == defaults

@@ -228,3 +228,135 @@ def test_the_modules_without_tensorflow_import_none_at_run_time():
         "assert not bad, bad[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def _own_attributes() -> dict[str, set[str]]:
+    """Each module's attribute names that its own classes define: what
+    ``self.<name> = ...`` sets in a method, and the annotated class fields
+    (dataclasses)."""
+    owned: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        names: set[str] = set()
+        for cls in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for node in ast.walk(cls):
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    names.add(node.target.id)
+                target = node.target if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else None
+                for t in [target] if target else getattr(node, "targets", []):
+                    if (
+                        isinstance(t, ast.Attribute)
+                        and isinstance(t.value, ast.Name)
+                        and t.value.id == "self"
+                    ):
+                        names.add(t.attr)
+        owned[_dotted(path)] = names
+    return owned
+
+
+def attribute_sets_across_modules(source: str, module: str, owned: dict[str, set[str]]) -> list:
+    """The ``x.name = ...`` (and ``setattr(x, "name", ...)``) of ``source``
+    where ``x`` is not ``self``/``cls`` and ``name`` is an attribute that only
+    another module's classes define: an object of another module's class
+    changed from outside, a tie the reader cannot see."""
+    mine = owned.get(module, set())
+    theirs = set().union(*(names for m, names in owned.items() if m != module)) - mine
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            for t in ast.walk(target):
+                if not isinstance(t, ast.Attribute) or not isinstance(t.ctx, ast.Store):
+                    continue
+                if isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"):
+                    continue
+                if t.attr in theirs:
+                    found.append(f"{module}:{node.lineno}: {ast.unparse(t)} = ...")
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in theirs
+        ):
+            found.append(f"{module}:{node.lineno}: setattr(..., {node.args[1].value!r})")
+    return found
+
+
+def test_the_attribute_checker_sees_a_set_across_modules():
+    owned = {"a": {"rewind"}, "b": {"other"}}
+    source = "def attach(recorder, ring):\n    recorder.rewind = ring\n    self.other = 1\n"
+    assert attribute_sets_across_modules(source, "b", owned) == ["b:2: recorder.rewind = ..."]
+    assert attribute_sets_across_modules(source, "a", owned) == []
+
+
+def test_no_module_sets_attributes_on_an_object_of_another_modules_class():
+    owned = _own_attributes()
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += attribute_sets_across_modules(
+            path.read_text(encoding="utf-8"), _dotted(path), owned
+        )
+    assert found == []
+
+
+def _private_functions() -> dict[str, set[str]]:
+    """Each module's private functions and methods (``_name``, not dunders)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Module, ast.ClassDef)):
+                names.update(
+                    f.name
+                    for f in node.body
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and f.name.startswith("_")
+                    and not f.name.startswith("__")
+                )
+        found[_dotted(path)] = names
+    return found
+
+
+def private_uses_across_modules(source: str, module: str, private: dict[str, set[str]]) -> list:
+    """Where ``source`` reaches a private function of another module: an
+    ``x._name`` (x not ``self``/``cls``) that only another module defines, or
+    ``from m import _name``."""
+    theirs = set().union(*(n for m, n in private.items() if m != module)) - private.get(
+        module, set()
+    )
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in theirs:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tb_nanwatch"):
+            found += [
+                f"{module}:{node.lineno}: from {node.module} import {a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            ]
+    return found
+
+
+def test_the_private_use_checker_sees_a_call_across_modules():
+    private = {"a": {"_trial_data"}, "b": set()}
+    source = "def f(session):\n    return session._trial_data()\n"
+    assert private_uses_across_modules(source, "b", private) == ["b:2: session._trial_data"]
+    assert private_uses_across_modules(source, "a", private) == []
+
+
+def test_no_module_calls_a_private_function_of_another_module():
+    private = _private_functions()
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += private_uses_across_modules(
+            path.read_text(encoding="utf-8"), _dotted(path), private
+        )
+    assert found == []

@@ -3,19 +3,34 @@ outputs and inputs, and remedies offered only where the recorded facts allow.
 
 Every record is built by hand (schema, flight window, series, summary), each
 cause fixed by construction, and judged by the cause engine directly.
+
+Each remedy is one catalogue entry: its text, when it applies, and the change
+its trial makes (and a live run takes), as data the record side reads; a new
+remedy of a known kind of change is tried and set live from its entry alone.
+The schedules a live change sets load from run dirs written before they moved.
 """
 
 from __future__ import annotations
 
+import ast
 import math
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
 from nanwatch_testlib import base_vector
 
-from tb_nanwatch.evidence import causes
+from tb_nanwatch.evidence import causes, changes, remedies
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.recorded import Flight, Record, Series
 from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION, Schema
+from tb_nanwatch.evidence.trials import Trial
+from tb_nanwatch.record.after_incident import live_remedies, schedules, trial_remedies, trials
+from tb_nanwatch.record.after_incident.bundle import ReproBundle
 
 LAYERS = ["dense_0", "dense_1", "dense_2"]
 CLEAN = {"weights_at_start": {"checked": 6, "nonfinite": []}, "optimizer": "SGD"}
@@ -343,3 +358,179 @@ def test_raise_epsilon_only_for_an_optimizer_with_an_epsilon(summary, offered):
     assert ("raise_epsilon" in cause["remedy_ids"]) is offered
     if summary.get("optimizer_settings", {}).get("epsilon") == 0.0:
         assert "(it is 0)" in texts(cause)[0]
+
+
+# -- one remedy, one home: the record side reads each entry's change ------------------
+
+
+def recorded_batches():
+    """Two float batches far from unit scale, one row holding a NaN."""
+    x = np.random.RandomState(0).uniform(500, 4000, (16, 3)).astype("float32")
+    y = np.random.RandomState(1).uniform(1e5, 2e5, (16, 1)).astype("float32")
+    x[3, 1] = np.nan
+    return [[x[:8], y[:8]], [x[8:], y[8:]]]
+
+
+def test_every_entry_declares_a_change_the_record_side_reads():
+    for remedy in remedies.CATALOGUE.values():
+        if remedy.trial is None:
+            assert not remedy.live, remedy.id  # advice: nothing to set either
+            assert trial_remedies.is_advice(remedy.id)
+            continue
+        assert isinstance(remedy.trial, changes.KINDS), remedy.id
+        assert trial_remedies.can_try(remedy.trial), remedy.id
+        assert not remedy.live or live_remedies.can_set(remedy.trial), remedy.id
+        partner = trial_remedies.partner(remedy.id)
+        assert partner is None or remedies.CATALOGUE[partner].trial is not None
+
+
+def test_the_readers_of_the_changes_name_no_remedy():
+    """The record side reads the kind of change, never a remedy's id."""
+    wing = Path(trials.__file__).parent
+    for name in ("trial_remedies", "live_remedies", "trials", "recovery", "follow_up"):
+        tree = ast.parse((wing / f"{name}.py").read_text(encoding="utf-8"))
+        named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
+        assert not named & set(remedies.CATALOGUE), name
+
+
+def test_every_trial_builds_and_every_live_change_sets_what_its_trial_found():
+    recorded = trial_remedies.Recorded(recorded_batches(), rate_before=1e-3, warmup_steps=4)
+    live = []
+    for remedy in remedies.CATALOGUE.values():
+        if remedy.trial is None:
+            continue
+        variants = trial_remedies.variants(remedy.id, recorded)
+        assert variants and all(v.setting for v in variants), remedy.id
+        if not remedy.live:
+            continue
+        live.append(remedy.id)
+        optimizer = keras.optimizers.Adam(0.01)
+        trial = Trial(remedy.id, "fixed", setting=variants[-1].setting)
+        change = live_remedies.plan(remedy.id, trial, optimizer, {"evidence": {}})
+        change.apply()
+        assert change.remedy == remedy.id and change.setting.startswith(variants[-1].setting)
+        assert optimizer.get_config() != keras.optimizers.Adam(0.01).get_config(), remedy.id
+    assert live == ["lower_lr", "fix_schedule", "clip_gradients", "raise_epsilon"]
+    not_live = Trial("drop_bad_rows", "fixed", setting="rows holding NaN/Inf dropped")
+    with pytest.raises(live_remedies.NotLive, match="changes more than the optimizer"):
+        live_remedies.plan("drop_bad_rows", not_live, keras.optimizers.Adam())
+
+
+def test_the_changes_of_the_catalogue_are_its_constants():
+    clip = remedies.CATALOGUE["clip_gradients"].trial
+    assert clip.settings == (("clipnorm", remedies.CLIP_NORM), ("global_clipnorm", None))
+    assert clip.words == "clipnorm=1.0"
+    assert remedies.CATALOGUE["raise_epsilon"].trial.words == "epsilon=0.0001"
+    assert remedies.CATALOGUE["lower_lr"].trial.factors == (10, 100, 1000)
+    with pytest.raises(ValueError, match="unknown data transform"):
+        changes.DataTransform("rescale_everything")
+
+
+def test_a_new_remedy_is_one_catalogue_entry_tried_and_set_live(monkeypatch):
+    """A remedy that makes known kinds of change: its entry alone, no record/ code."""
+    fake = remedies.Remedy(
+        "soft_clip",
+        "Clip gradients softly",
+        lambda facts: "Clip gradients at 0.5.",
+        trial=changes.OptimizerSettings((("clipnorm", 0.5), ("global_clipnorm", None))),
+        live=True,
+    )
+    dropping = remedies.Remedy(
+        "skip_nan_rows",
+        "Skip the rows holding NaN",
+        lambda facts: "Skip them.",
+        trial=changes.DataTransform("drop_nonfinite_rows"),
+    )
+    monkeypatch.setitem(remedies.CATALOGUE, fake.id, fake)
+    monkeypatch.setitem(remedies.CATALOGUE, dropping.id, dropping)
+    x = np.random.RandomState(0).normal(size=(8, 3)).astype("float32")
+    x[2, 1] = np.nan
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    weights = {v.path: v.numpy() for v in model.trainable_weights}
+    saved = ReproBundle(3, [x, np.ones((8, 1), "float32")], weights, {"exact": True})
+    cause = {"id": "input_data", "remedy_ids": ["soft_clip", "skip_nan_rows"], "evidence": {}}
+    found = trials.run_trials(
+        model, cause, trials.TrialData(bundle=saved), None, WatchOptions(), lambda line: None
+    )
+    by_id = {t.remedy: t for t in found}
+    assert by_id["skip_nan_rows"].outcome == "fixed"
+    assert by_id["skip_nan_rows"].setting == "rows holding NaN/Inf dropped"
+    assert by_id["soft_clip"].outcome == "not_fixed"  # a NaN row stays NaN at any clip
+    assert by_id["soft_clip"].setting == "clipnorm=0.5"
+    optimizer = keras.optimizers.Adam(global_clipnorm=2.0)
+    change = live_remedies.plan("soft_clip", by_id["soft_clip"], optimizer)
+    change.apply()
+    assert (change.setting, change.retrace) == ("clipnorm=0.5", True)
+    assert (optimizer.clipnorm, optimizer.global_clipnorm) == (0.5, None)
+
+
+# -- the schedules a live change sets load from run dirs of any version -----------------
+
+OLD_MODULES = (
+    "tb_nanwatch.record.live_remedies",
+    "tb_nanwatch.record.after_incident.live_remedies",
+)
+
+
+@pytest.mark.parametrize("module", OLD_MODULES)
+def test_a_schedule_saved_under_an_old_module_path_loads(module):
+    decay = {
+        "module": "keras.optimizers.schedules",
+        "class_name": "ExponentialDecay",
+        "config": {"initial_learning_rate": 0.1, "decay_steps": 10, "decay_rate": 0.5},
+        "registered_name": None,
+    }
+    scaled = {
+        "module": module,
+        "class_name": "ScaledSchedule",
+        "registered_name": "tb_nanwatch>ScaledSchedule",
+        "config": {"schedule": decay, "scale": 0.1},
+    }
+    held = {
+        "module": module,
+        "class_name": "HeldRate",
+        "registered_name": "tb_nanwatch>HeldRate",
+        "config": {"rate": 0.001},
+    }
+    loaded = keras.optimizers.schedules.deserialize(scaled)
+    assert isinstance(loaded, schedules.ScaledSchedule) and loaded.scale == 0.1
+    assert float(loaded(0)) == pytest.approx(0.01)
+    loaded = keras.saving.deserialize_keras_object(held)
+    assert isinstance(loaded, schedules.HeldRate) and loaded.rate == 0.001
+
+
+def test_a_saved_model_naming_the_old_module_loads_in_a_fresh_process(tmp_path):
+    """A bundle's model.keras whose optimizer holds a ScaledSchedule (a rewind
+    on a schedule), its config naming the pre-move module: ``bundle.load_model``
+    in a new interpreter (``tb-nanwatch replay``) gets the class."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    decay = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    model.compile(optimizer=keras.optimizers.SGD(schedules.ScaledSchedule(decay, 0.1)), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    directory = tmp_path / "run" / "repro" / "step_0"
+    directory.mkdir(parents=True)
+    saved = str(tmp_path / "new.keras")
+    model.save(saved)
+    with zipfile.ZipFile(saved) as source, zipfile.ZipFile(directory / "model.keras", "w") as out:
+        for item in source.infolist():
+            body = source.read(item.filename)
+            if item.filename == "config.json":
+                text = body.decode("utf-8")
+                assert schedules.__name__ in text
+                body = text.replace(schedules.__name__, OLD_MODULES[0]).encode("utf-8")
+            out.writestr(item, body)
+    info = {"model": "model.keras"}
+    script = (
+        "from tb_nanwatch.record.after_incident import bundle\n"
+        f"holder = bundle.ReproBundle(0, None, {{}}, {info!r}, {str(directory)!r})\n"
+        "model, _ = bundle.load_model(holder)\n"
+        "rate = model.optimizer._learning_rate\n"
+        "print(type(rate).__module__, type(rate).__name__, rate.scale)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [schedules.__name__, "ScaledSchedule", "0.1"]

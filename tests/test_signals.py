@@ -1,6 +1,7 @@
 """SIGTERM never hangs the process nor loses a recorded step; a user's own
-SIGTERM handler keeps training *and* recording; kills find what the README
-promises (the run from its first step, the bundle with its incident).
+SIGTERM handler keeps training *and* recording; kills find what the docs
+promise (docs/reference/on-disk-format.md, "What survives a crash": the run
+from its first step, the bundle with its incident).
 
 Every case runs a real training process (``CHILD``) and reads the run back as
 ``tb-nanwatch report`` does. ``NANWATCH_SIGTERM_STRESS=50`` runs the stress

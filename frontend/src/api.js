@@ -1,5 +1,5 @@
 /**
- * Fetches the plugin's JSON routes (see docs/routes.md).
+ * Fetches the plugin's JSON routes (see docs/reference/routes.md).
  *
  * URLs are relative: the plugin iframe has `<base href="plugin/nanwatch/">`,
  * so `fetch("runs")` reaches `data/plugin/nanwatch/runs`, also under

@@ -1,6 +1,6 @@
 """The NaN Watch TensorBoard plugin: JSON routes and the frontend's static files.
 
-See ``docs/routes.md`` for the route contract. Data is read only through
+See ``docs/reference/routes.md`` for the route contract. Data is read only through
 ``context.data_provider`` (works with the Python loader and the Rust data
 server). This module must not import TensorFlow: TensorBoard does not catch an
 import error in a dynamic plugin.

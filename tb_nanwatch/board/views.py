@@ -1,6 +1,6 @@
 """Builds the JSON bodies of the plugin routes from parsed run data.
 
-Pure functions over :mod:`tb_nanwatch.board.reader` objects, see ``docs/routes.md``.
+Pure functions over :mod:`tb_nanwatch.board.reader` objects, see ``docs/reference/routes.md``.
 Values are plain Python (``.tolist()``/``float()``), so TensorBoard's
 ``Respond`` turns NaN/Inf into ``"NaN"``/``"Infinity"`` strings.
 """

@@ -138,7 +138,7 @@ class _GraphSession(WatchSession):
         )
         return relative, captured is not None
 
-    def _name_the_op(self) -> None:
+    def _bundle_to_replay(self) -> None:
         """Not replayed for a graph: the scope in the incident names the place."""
 
 

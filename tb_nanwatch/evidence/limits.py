@@ -6,8 +6,8 @@ nested thousands deep, a range of a billion steps, a batch of 1e8 parts.
 Each limit is checked on what the file *declares* (the zip directory, the
 ``.npy`` header, the tensor's shape, the text), before anything is
 allocated; beyond it that run or bundle is refused with one line
-(:class:`LimitError`) and everything else is read as usual. The README's
-"Sharing run dirs" states the same numbers.
+(:class:`LimitError`) and everything else is read as usual.
+``docs/reference/limits.md`` states the same numbers.
 
 Standard library and NumPy only.
 """

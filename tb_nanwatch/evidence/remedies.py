@@ -9,10 +9,17 @@ that was non-finite) and a test of when it applies, read from recorded facts
 model input and target; the verdict's evidence). A remedy that does not apply
 is never offered.
 
+Each entry also declares what its trial changes, as data from the vocabulary
+of :mod:`tb_nanwatch.evidence.changes` (``trial``; None: advice, never tried),
+and whether that change can be set on a running optimizer (``live``: what
+``on_nonfinite="rewind"`` sets after a rewind). The record side reads the
+change, never the id (``record/after_incident/trial_remedies.py`` for the
+trials, ``live_remedies.py`` for a live run).
+
 The cause engine (:mod:`tb_nanwatch.evidence.causes`) names remedies by id in
 its rule table, ranked, each with the condition under which that cause offers
-it; this module owns the wording. A new remedy is one :class:`Remedy` entry in
-:data:`CATALOGUE`.
+it; this module owns the wording and the change. A new remedy is one
+:class:`Remedy` entry in :data:`CATALOGUE`.
 
 Pure Python, no TensorFlow.
 """
@@ -23,11 +30,13 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
+from tb_nanwatch.evidence import changes
+
 # Optimizers without an epsilon in their update (type names as recorded), for
 # runs that did not record the optimizer's settings.
 NO_EPSILON = frozenset({"SGD", "Lion"})
-# The gradient norm clip_gradients proposes; an optimizer already clipping at
-# or below it is not told to clip.
+# The gradient norm clip_gradients proposes (and its trial sets); an optimizer
+# already clipping at or below it is not told to clip.
 CLIP_NORM = 1.0
 # A model input or target whose largest |x| reaches this is far from unit scale.
 FAR_FROM_UNIT = 50.0
@@ -164,12 +173,17 @@ class Facts:
 
 @dataclasses.dataclass(frozen=True)
 class Remedy:
-    """One remedy: its id, short label, text and when it applies."""
+    """One remedy: its id, short label, text and when it applies; what its
+    trial changes (``trial``: a change of :mod:`tb_nanwatch.evidence.changes`,
+    None for advice) and whether a running optimizer can take that change
+    (``live``)."""
 
     id: str
     label: str
     text: Callable[[Facts], str]
     applies: Callable[[Facts], bool] = lambda facts: True
+    trial: changes.Change | None = None
+    live: bool = False
 
 
 # -- the texts ------------------------------------------------------------------
@@ -328,12 +342,16 @@ CATALOGUE: dict[str, Remedy] = {
             "Lower the learning rate",
             _lower_lr,
             applies=lambda f: f.evidence.get("lr") != 0,  # a rate of 0 cannot be lowered
+            trial=changes.ScaleRate(factors=(10, 100, 1000)),
+            live=True,
         ),
         Remedy(
             "fix_schedule",
             "Fix the learning-rate schedule",
             _fix_schedule,
             applies=lambda f: f.number("lr") is not None and f.number("lr_before") is not None,
+            trial=changes.HoldRate(),
+            live=True,
         ),
         Remedy(
             "clip_gradients",
@@ -341,18 +359,23 @@ CATALOGUE: dict[str, Remedy] = {
             _clip_gradients,
             # An optimizer that already clips at this norm gains nothing from it.
             applies=lambda f: f.clip_norm is None or f.clip_norm > CLIP_NORM,
+            trial=changes.OptimizerSettings((("clipnorm", CLIP_NORM), ("global_clipnorm", None))),
+            live=True,
         ),
         Remedy(
             "raise_epsilon",
             "Raise the optimizer's epsilon",
             _raise_epsilon,
             applies=lambda f: f.has_epsilon,
+            trial=changes.OptimizerSettings((("epsilon", 1e-4),)),
+            live=True,
         ),
         Remedy(
             "from_logits",
             "Compute the loss from logits",
             _text("Compute the loss from logits (from_logits=True, no final activation)."),
             applies=lambda f: f.reads_probabilities,
+            trial=changes.FromLogits(),
         ),
         Remedy(
             "clip_predictions",
@@ -362,6 +385,7 @@ CATALOGUE: dict[str, Remedy] = {
                 "before the log (rather than log(p + eps))."
             ),
             applies=lambda f: f.reads_probabilities,
+            trial=changes.ClipPredictions(low=1e-7, high=1.0 - 1e-7),
         ),
         Remedy(
             "float32_policy",
@@ -372,6 +396,7 @@ CATALOGUE: dict[str, Remedy] = {
                 "where the hardware supports it."
             ),
             applies=lambda f: f.mixed_precision,
+            trial=changes.Float32Policy(),
         ),
         Remedy(
             "normalize_inputs",
@@ -379,6 +404,7 @@ CATALOGUE: dict[str, Remedy] = {
             _normalize_inputs,
             # Only on scale evidence: an Inf in the data, or an input far from unit scale.
             applies=lambda f: f.cause == "input_data" or bool(f.far(target=False)),
+            trial=changes.DataTransform("normalise_inputs", partner="scale_targets"),
         ),
         Remedy(
             "scale_targets",
@@ -388,15 +414,22 @@ CATALOGUE: dict[str, Remedy] = {
             applies=lambda f: (
                 f.loss_from_logits is None and (f.cause == "input_data" or bool(f.far(target=True)))
             ),
+            trial=changes.DataTransform("standardise_targets", partner="normalize_inputs"),
         ),
-        Remedy("drop_bad_rows", "Find and drop the bad rows", _drop_bad_rows),
+        Remedy(
+            "drop_bad_rows",
+            "Find and drop the bad rows",
+            _drop_bad_rows,
+            trial=changes.DataTransform("drop_nonfinite_rows"),
+        ),
         Remedy(
             "lr_warmup",
             "Warm up the learning rate",
             _text("Add a learning-rate warm-up over the first steps."),
+            trial=changes.WarmUp(),
         ),
-        Remedy("fix_weights", "Restore clean weights", _fix_weights),
-        Remedy("fix_code", "Fix the op in the code", _fix_code),
+        Remedy("fix_weights", "Restore clean weights", _fix_weights),  # advice: no trial
+        Remedy("fix_code", "Fix the op in the code", _fix_code),  # advice: no trial
     )
 }
 REMEDY_IDS = tuple(CATALOGUE)

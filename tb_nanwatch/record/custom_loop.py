@@ -184,8 +184,8 @@ class StepWatcher:
             info,
             self.recorder.uninstall,
             RunPlacement(),
-            replay_loss=loss_fn,
         )
+        self.session.use_replay_loss(loss_fn)
         self.log_dir = self.session.log_dir
 
     # -- in the compiled step ------------------------------------------------

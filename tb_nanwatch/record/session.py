@@ -37,7 +37,7 @@ import tensorflow as tf
 from tb_nanwatch.evidence import causes
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.printable import printable, printable_lines
-from tb_nanwatch.record.after_incident import bundle, replay, rewind_points, trials
+from tb_nanwatch.record.after_incident import bundle, follow_up, replay, rewind_points, trials
 from tb_nanwatch.record.after_incident.recovery import Recovery
 from tb_nanwatch.record.after_incident.rewind_points import RewindNotTaken, RewindRing
 from tb_nanwatch.record.in_step.recorder import StepRecorder
@@ -283,7 +283,6 @@ class WatchSession:
         run_info: dict,
         release: Callable[[], None],
         placement: RunPlacement,
-        replay_loss: Callable | None = None,
     ) -> None:
         self.recorder = recorder
         self.options = options
@@ -295,8 +294,9 @@ class WatchSession:
             self.run_info["chief"] = self.worker.is_chief
             self.run_info["workers"] = self.worker.tasks
         self._release = release
-        # A custom loop's loss, for the replay (a compiled model has its own).
-        self.replay_loss = replay_loss
+        # A custom loop's loss, for the replay (a compiled model has its own;
+        # see use_replay_loss).
+        self.replay_loss: Callable | None = None
         self.journal: RunJournal | None = None
         self.incident: dict | None = None
         self.disabled = False
@@ -320,11 +320,16 @@ class WatchSession:
             )
         if options.recovers:
             recorder.undo_nonfinite_steps()
-        self.recovery: Recovery | None = Recovery(self) if options.recovers else None
-        if self.recovery is not None:
+        self.recovery: Recovery | None = None
+        if options.recovers:
+            self.recovery = Recovery(self, trial_data=self.trial_data)
             self.run_info.update(self.recovery.summary())  # none yet, said from the start
         # Whether the last end_step asked the front end to stop training.
         self.stop_requested = False
+
+    def use_replay_loss(self, loss_fn: Callable | None) -> None:
+        """The loss a custom loop computes, for the replay and the trials."""
+        self.replay_loss = loss_fn
 
     # -- per step ----------------------------------------------------------------
 
@@ -449,7 +454,7 @@ class WatchSession:
             )
             found = {"rewind_point": None, "rewind_point_not_taken": f"failed: {error!r}"}
         # A new dict: the journal's worker may be writing the summary from the old one.
-        self.journal.run_info = {**self.journal.run_info, **found}
+        self.journal.update_run_info(**found)
 
     def settled_journal(self) -> RunJournal | None:
         """The journal with every step submitted so far recorded (what the
@@ -585,19 +590,39 @@ class WatchSession:
         return "terminated" if crash_safety.sigterm_received() else "finished"
 
     def close(self, status: str | None = None) -> None:
-        """Writes the final run summary (``status``: "stopped"/"finished" by default)."""
+        """Writes the final run summary (``status``: "stopped"/"finished" by
+        default), then tries the remedies: the replay names the incident's op
+        for the record, the trials run after the record is safe on disk (they
+        take a while; ``record/after_incident/follow_up.py``)."""
         self.closed = True
         if self.journal is None or self.journal.closed:
             return
         self.settled_journal()  # a failure of the worker thread is warned about, not lost
-        self._name_the_op()
+        done = follow_up.replay_then_trials(
+            self.recorder.model,
+            self.replay_loss,
+            self.log_dir,
+            replay=self._bundle_to_replay(),
+            trials=self._trial_input,
+            hooks=follow_up.Hooks(
+                named=self._name_the_op,
+                then=lambda: self._close_record(status),
+                failed=_warn_after_training,
+            ),
+        )
+        if done.trials:
+            follow_up.print_tried(done.trials)
+
+    def _close_record(self, status: str | None) -> bool:
+        """The late rewind point, then the final summary; False when the
+        record could not be closed (the watcher stops, one warning)."""
         self._late_rewind_point()
         try:
             self.journal.close(status or self.final_status())
         except Exception as error:  # noqa: BLE001
             self.disable(f"could not close the record: {error!r}")
-            return
-        self._try_remedies()  # after the record is safe on disk: the trials take a while
+            return False
+        return True
 
     def _late_rewind_point(self) -> None:
         """An explosion the journal confirmed after the last step's check: its
@@ -626,60 +651,45 @@ class WatchSession:
                 stacklevel=3,
             )
 
-    def _try_remedies(self) -> None:
-        """After training stopped at an incident or an explosion: tries each
-        remedy the cause offers on a copy of the model (``record/after_incident/trials.py``),
-        writes ``repro/trials.json`` and prints the ranked "Tried" lines.
-        Never raises: a failure is one warning."""
+    def _trial_input(self) -> follow_up.TrialInput | None:
+        """After training stopped at an incident or an explosion: what the
+        remedy trials need (``record/after_incident/trials.py``); None when they
+        are off, ran already or have nothing to follow."""
         journal = self.journal
         incident, onset = journal.first_nonfinite, journal.explosion_onset
         if not self.options.remedy_trials or self.worker is not None:
-            return
+            return None
         if self.recovery is not None and self.recovery.trials_ran:
-            return  # run at the incident, to choose the rewind's remedy
+            return None  # run at the incident, to choose the rewind's remedy
         if incident is None and onset is None:
-            return
-        try:
-            cause = journal.cause()
-            if not cause or not cause.get("remedy_ids"):
-                return
-            found = trials.run_trials(
-                self.recorder.model, cause, self._trial_data(), self.replay_loss, self.options
-            )
-            if not found:
-                return
-            step = (incident or onset)["step"]
-            trials.write_trials(self.log_dir, step, cause, found)
-        except Exception as error:  # noqa: BLE001 - never break the end of training
-            warnings.warn(
-                f"NanWatch could not try the remedies: {error!r}", RuntimeWarning, stacklevel=3
-            )
-            return
-        lines = "\n".join(f"  {line}" for line in trials.tried_lines(found))
-        print(f"\nNanWatch remedies, tried on a copy of the model:\n{lines}", file=sys.stderr)
+            return None
+        step = (incident or onset)["step"]
+        return follow_up.TrialInput(journal.cause(), step, self.options, self.trial_data)
 
-    def _trial_data(self) -> trials.TrialData:
+    def trial_data(self) -> trials.TrialData:
         """The bundle, the rewind point (or why none) and the optimizer for the trials."""
         summary = self.journal.summary()
-        data = trials.TrialData(optimizer=getattr(self.recorder, "optimizer", None))
-        data.optimizer = data.optimizer or getattr(self.recorder.model, "optimizer", None)
+        optimizer = getattr(self.recorder, "optimizer", None)
+        optimizer = optimizer or getattr(self.recorder.model, "optimizer", None)
+        saved, rewind, missing = None, None, ""
         if self.journal.repro_bundle:
-            path = posixpath.join(self.log_dir, self.journal.repro_bundle)
-            data.bundle = bundle.load_bundle(path)
+            saved = bundle.load_bundle(posixpath.join(self.log_dir, self.journal.repro_bundle))
         if self.options.rewind_every == 0:
-            data.rewind_missing = "rewind points are off (rewind_every=0)"
+            missing = "rewind points are off (rewind_every=0)"
         elif summary.get("rewind_point"):
-            data.rewind = rewind_points.load_rewind_point(
+            rewind = rewind_points.load_rewind_point(
                 posixpath.join(self.log_dir, summary["rewind_point"])
             )
         else:
-            data.rewind_missing = summary.get("rewind_point_not_taken") or "none was saved"
-        return data
+            missing = summary.get("rewind_point_not_taken") or "none was saved"
+        return trials.TrialData(
+            bundle=saved, rewind=rewind, rewind_missing=missing, optimizer=optimizer
+        )
 
-    def _name_the_op(self) -> None:
-        """After training: replays the incident's step from its exact bundle to
-        name the op and the source line (no per-step cost); the op goes into
-        the incident record. Never raises: a failure is one warning."""
+    def _bundle_to_replay(self) -> Callable[[], bundle.ReproBundle] | None:
+        """After training: the incident's exact bundle, whose step the replay
+        re-runs to name the op and the source line (no per-step cost); None
+        when there is none to replay."""
         incident = self.journal.first_nonfinite
         if (
             incident is None
@@ -689,19 +699,22 @@ class WatchSession:
             or self.worker is not None  # no eager work beside a multi-worker cluster's peers
             or not isinstance(self.recorder.model, keras.Model)  # a tf_keras model: no replay
         ):
+            return None
+        path = posixpath.join(self.log_dir, self.journal.repro_bundle)
+        return lambda: bundle.load_bundle(path)
+
+    def _name_the_op(self, origin: replay.OpOrigin | None) -> None:
+        """The replay's op goes into the incident record (and one console line)."""
+        if origin is None:
             return
-        try:
-            saved = bundle.load_bundle(posixpath.join(self.log_dir, self.journal.repro_bundle))
-            origin = replay.replay_step(self.recorder.model, saved, self.replay_loss)
-            replay.write_result(saved, origin)
-        except Exception as error:  # noqa: BLE001 - never break the end of training
-            warnings.warn(
-                f"NanWatch could not replay the incident: {error!r}", RuntimeWarning, stacklevel=3
-            )
-            return
-        if origin is not None:
-            op = origin.to_json()
-            incident["op"] = {key: op[key] for key in ("type", "name", "source", "reproduced")}
-            print(
-                f"\nNanWatch replay: {replay.describe(incident['step'], origin)}", file=sys.stderr
-            )
+        incident = self.journal.first_nonfinite
+        op = origin.to_json()
+        incident["op"] = {key: op[key] for key in ("type", "name", "source", "reproduced")}
+        print(f"\nNanWatch replay: {replay.describe(incident['step'], origin)}", file=sys.stderr)
+
+
+def _warn_after_training(stage: str, error: Exception) -> None:
+    """A failure of the replay or the trials after training: one warning."""
+    what = "replay the incident" if stage == "replay" else "try the remedies"
+    # The frame that closed the session (here, follow_up's two, close).
+    warnings.warn(f"NanWatch could not {what}: {error!r}", RuntimeWarning, stacklevel=5)

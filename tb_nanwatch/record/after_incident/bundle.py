@@ -333,6 +333,9 @@ def load_model(
     """
     import keras
 
+    # The schedules a rewind sets on the optimizer, registered before a model names them.
+    from tb_nanwatch.record.after_incident import schedules  # noqa: F401
+
     if not bundle.info.get("model"):
         reason = bundle.info.get("model_not_saved", "it was recorded without one")
         raise FileNotFoundError(f"no model saved beside the bundle in {bundle.directory}: {reason}")

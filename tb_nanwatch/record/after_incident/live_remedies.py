@@ -1,10 +1,18 @@
 """A remedy set on the optimizer of a running model (``on_nonfinite="rewind"``).
 
-The remedies whose trial can carry over to a live run change only the
-optimizer (:data:`LIVE`): ``lower_lr`` (the rate by the factor its trial
-found), ``fix_schedule`` (the rate held at its value before the jump),
-``clip_gradients`` (``clipnorm``, as its trial) and ``raise_epsilon``. A
-float learning rate is a variable, which the compiled step reads at each
+A remedy whose catalogue entry says ``live`` has its trial's change set on the
+running optimizer (a LossScaleOptimizer's inner one). This module reads the
+kind of the change (:mod:`tb_nanwatch.evidence.changes`), never the remedy's
+id; the kinds a live run can take change only the optimizer:
+
+* :class:`~tb_nanwatch.evidence.changes.ScaleRate`: the rate times the factor
+  its trial found (a schedule wrapped in a :class:`ScaledSchedule`);
+* :class:`~tb_nanwatch.evidence.changes.HoldRate`: the rate held at its value
+  before the jump (a schedule replaced by a :class:`HeldRate`);
+* :class:`~tb_nanwatch.evidence.changes.OptimizerSettings`: the settings
+  (``clipnorm``, ``epsilon``), as in its trial.
+
+A float learning rate is a variable, which the compiled step reads at each
 step; a schedule, ``clipnorm`` and ``epsilon`` are read when the step is
 traced, so those changes need the step traced again (:attr:`LiveChange.retrace`).
 """
@@ -18,10 +26,9 @@ from collections.abc import Callable
 
 import keras
 
+from tb_nanwatch.evidence import changes, remedies
 from tb_nanwatch.evidence.trials import Trial
-from tb_nanwatch.record.after_incident.trial_remedies import CLIPNORM, EPSILON
-
-LIVE = ("lower_lr", "fix_schedule", "clip_gradients", "raise_epsilon")
+from tb_nanwatch.record.after_incident.schedules import HeldRate, ScaledSchedule
 
 _Schedule = keras.optimizers.schedules.LearningRateSchedule
 
@@ -41,68 +48,48 @@ class LiveChange:
     apply: Callable[[], None]
 
 
-@keras.saving.register_keras_serializable(package="tb_nanwatch")
-class ScaledSchedule(_Schedule):
-    """A learning-rate schedule times a constant (``lower_lr`` on a schedule)."""
-
-    def __init__(self, schedule: _Schedule, scale: float) -> None:
-        self.schedule = schedule
-        self.scale = float(scale)
-
-    def __call__(self, step):
-        return keras.ops.multiply(self.schedule(step), self.scale)
-
-    def get_config(self) -> dict:
-        return {
-            "schedule": keras.optimizers.schedules.serialize(self.schedule),
-            "scale": self.scale,
-        }
-
-    @classmethod
-    def from_config(cls, config: dict) -> ScaledSchedule:
-        schedule = keras.optimizers.schedules.deserialize(config["schedule"])
-        return cls(schedule, config["scale"])
+def can_set(change: object) -> bool:
+    """Whether a running optimizer can take ``change``'s kind."""
+    return type(change) in _SETTERS
 
 
-@keras.saving.register_keras_serializable(package="tb_nanwatch")
-class HeldRate(_Schedule):
-    """A constant learning rate in place of a schedule (``fix_schedule``)."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = float(rate)
-
-    def __call__(self, step):
-        return keras.ops.cast(self.rate, "float32")
-
-    def get_config(self) -> dict:
-        return {"rate": self.rate}
+def is_live(remedy: str) -> bool:
+    """Whether ``remedy``'s catalogue entry says a live run can take its trial's change."""
+    entry = remedies.CATALOGUE.get(remedy)
+    return entry is not None and entry.live and can_set(entry.trial)
 
 
 def plan(remedy: str, trial: Trial, optimizer, cause: dict | None = None) -> LiveChange:
     """The change that sets ``remedy`` (whose trial is ``trial``) on
     ``optimizer`` (a LossScaleOptimizer's inner one); NotLive when it cannot."""
+    if not is_live(remedy):
+        raise NotLive(f"{remedy} changes more than the optimizer")
+    change = remedies.CATALOGUE[remedy].trial
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if remedy == "lower_lr":
-        return _lower_lr(inner, _factor(trial.setting))
-    if remedy == "fix_schedule":
-        return _held(inner, _rate_before(trial.setting, cause))
-    if remedy == "clip_gradients":
-        return LiveChange(remedy, f"clipnorm={CLIPNORM}", True, lambda: _clip(inner))
-    if remedy == "raise_epsilon":
-        if not hasattr(inner, "epsilon"):
-            raise NotLive(f"{type(inner).__name__} has no epsilon")
-        return LiveChange(
-            remedy, f"epsilon={EPSILON:g}", True, lambda: setattr(inner, "epsilon", EPSILON)
-        )
-    raise NotLive(f"{remedy} changes more than the optimizer")
+    return _SETTERS[type(change)](remedy, change, trial, inner, cause)
 
 
-def _clip(inner) -> None:
-    inner.clipnorm = CLIPNORM
-    inner.global_clipnorm = None
+# -- each kind of change ---------------------------------------------------------------
 
 
-def _lower_lr(inner, scale: float) -> LiveChange:
+def _settings(
+    remedy: str, change: changes.OptimizerSettings, trial: Trial, inner, cause: dict | None
+) -> LiveChange:
+    for name, value in change.settings:
+        if value is not None and not hasattr(inner, name):
+            raise NotLive(f"{type(inner).__name__} has no {name}")
+
+    def apply() -> None:
+        for name, value in change.settings:
+            setattr(inner, name, value)
+
+    return LiveChange(remedy, change.words, True, apply)
+
+
+def _scaled(
+    remedy: str, change: changes.ScaleRate, trial: Trial, inner, cause: dict | None
+) -> LiveChange:
+    scale = _factor(trial.setting)
     rate = getattr(inner, "_learning_rate", None)
     if isinstance(rate, keras.Variable):
         old = float(rate.numpy())
@@ -111,32 +98,35 @@ def _lower_lr(inner, scale: float) -> LiveChange:
         def assign() -> None:
             inner.learning_rate = new
 
-        return LiveChange("lower_lr", f"lr x{scale:g} ({old:.3g} -> {new:.3g})", False, assign)
+        return LiveChange(remedy, f"lr x{scale:g} ({old:.3g} -> {new:.3g})", False, assign)
     if isinstance(rate, _Schedule):
 
         def wrap() -> None:
             inner.learning_rate = ScaledSchedule(rate, scale)
 
-        return LiveChange("lower_lr", f"lr x{scale:g} (the schedule scaled)", True, wrap)
+        return LiveChange(remedy, f"lr x{scale:g} (the schedule scaled)", True, wrap)
     raise NotLive("the learning rate is neither a number nor a LearningRateSchedule")
 
 
-def _held(inner, held: float) -> LiveChange:
+def _held(
+    remedy: str, change: changes.HoldRate, trial: Trial, inner, cause: dict | None
+) -> LiveChange:
+    held = _rate_before(trial.setting, cause)
     rate = getattr(inner, "_learning_rate", None)
     setting = f"lr held at {held:.3g}"
     if isinstance(rate, keras.Variable):
-        return LiveChange("fix_schedule", setting, False, lambda: rate.assign(held))
+        return LiveChange(remedy, setting, False, lambda: rate.assign(held))
     if isinstance(rate, _Schedule) or callable(rate):
 
         def hold() -> None:
             inner.learning_rate = HeldRate(held)
 
-        return LiveChange("fix_schedule", setting, True, hold)
+        return LiveChange(remedy, setting, True, hold)
     raise NotLive("the learning rate is neither a number nor a schedule")
 
 
 def _factor(setting: str) -> float:
-    """The rate's multiplier in a ``lower_lr`` trial's setting (``"lr x0.01"``)."""
+    """The rate's multiplier in a rate-scaling trial's setting (``"lr x0.01"``)."""
     found = re.search(r"lr x([0-9.eE+-]+)", setting or "")
     scale = float(found.group(1)) if found else math.nan
     if not (0 < scale < 1):
@@ -153,3 +143,11 @@ def _rate_before(setting: str, cause: dict | None) -> float:
     if found is None:
         raise NotLive(f"the rate before the jump is not known ({setting!r})")
     return float(found.group(1))
+
+
+# The setter of each kind of change a running optimizer can take.
+_SETTERS: dict[type, Callable[..., LiveChange]] = {
+    changes.OptimizerSettings: _settings,
+    changes.ScaleRate: _scaled,
+    changes.HoldRate: _held,
+}

@@ -35,7 +35,8 @@ import numpy as np
 
 from tb_nanwatch.evidence import diagnosis
 from tb_nanwatch.evidence import trials as evidence_trials
-from tb_nanwatch.record.after_incident import live_remedies, trials
+from tb_nanwatch.record.after_incident import follow_up, live_remedies, trials
+from tb_nanwatch.record.after_incident.follow_up import TrialInput
 from tb_nanwatch.record.after_incident.live_remedies import LiveChange, NotLive
 from tb_nanwatch.record.after_incident.rewind_points import ONSET_MARGIN, Snapshot
 
@@ -43,13 +44,16 @@ from tb_nanwatch.record.after_incident.rewind_points import ONSET_MARGIN, Snapsh
 class Recovery:
     """Skips and rewinds of one watched run (see the module docstring).
 
-    ``session`` is the run's ``WatchSession``; ``retrace`` (given by the front
-    end that can trace the step again, ``fit``'s, through :meth:`use_retrace`)
-    makes the compiled step read an optimizer setting that is read at trace time.
+    ``session`` is the run's ``WatchSession``; ``trial_data`` reads what the
+    remedy trials start from (the session's ``trial_data``: the bundle, the
+    rewind point, the optimizer); ``retrace`` (given by the front end that can
+    trace the step again, ``fit``'s, through :meth:`use_retrace`) makes the
+    compiled step read an optimizer setting that is read at trace time.
     """
 
-    def __init__(self, session) -> None:
+    def __init__(self, session, trial_data: Callable[[], trials.TrialData]) -> None:
         self.session = session
+        self.trial_data = trial_data
         self.options = session.options
         self.rule: diagnosis.UndoneSteps | None = None
         self.skipped: list[int] = []
@@ -265,19 +269,19 @@ class Recovery:
         session = self.session
         if not self.options.remedy_trials or session.worker is not None:
             return
-        cause = session.journal.cause()
-        self._cause = cause
-        if not cause or not cause.get("remedy_ids"):
-            return
-        model = session.recorder.model
-        found = trials.run_trials(
-            model, cause, session._trial_data(), session.replay_loss, self.options
+        done = follow_up.replay_then_trials(
+            session.recorder.model,
+            session.replay_loss,
+            session.log_dir,
+            trials=lambda: self._trial_input(step),
         )
-        self.trials = found
-        if found:
-            trials.write_trials(session.log_dir, step, cause, found)
-            lines = "\n".join(f"  {line}" for line in trials.tried_lines(found))
-            print(f"\nNanWatch remedies, tried on a copy of the model:\n{lines}", file=sys.stderr)
+        self.trials = done.trials
+        if done.trials:
+            follow_up.print_tried(done.trials)
+
+    def _trial_input(self, step: int) -> TrialInput:
+        self._cause = self.session.journal.cause()
+        return TrialInput(self._cause, step, self.options, self.trial_data)
 
     def _choose_remedy(self) -> tuple[LiveChange | None, str]:
         """The best remedy whose trial said ``fixed`` that this run can take
@@ -292,7 +296,7 @@ class Recovery:
             trial = by_id[remedy]
             if trial.outcome != "fixed" or remedy in self._applied:
                 continue
-            if remedy not in live_remedies.LIVE:
+            if not live_remedies.is_live(remedy):
                 reasons.append(f"{remedy} kept the trial finite but cannot be set on a live run")
                 continue
             try:
@@ -326,8 +330,7 @@ class Recovery:
         journal = self.session.journal
         if journal is None:
             return
-        # A new dict: the journal's worker may be writing the summary from the old one.
-        journal.run_info = {**journal.run_info, **self.summary()}
+        journal.update_run_info(**self.summary())
         journal.flush()
 
 

@@ -1,13 +1,27 @@
-"""Each remedy as a trial: what it changes in the re-run (a :class:`Variant`).
+"""A remedy's change as a trial: the re-runs (:class:`Variant`) that try it.
 
-The data remedies read statistics of the recorded batches: ``normalize_inputs``
-puts a ``keras.layers.Normalization`` adapted on the recorded inputs (per
-feature: mean and variance over the rows) in front of the model,
-``scale_targets`` standardises each target with its recorded mean and
-standard deviation, ``drop_bad_rows`` leaves out every row holding NaN/Inf.
-The optimizer remedies change the fresh optimizer's config (``clipnorm=1.0``,
-``epsilon=1e-4``), the schedule remedies the rate of each step. ``lower_lr``
-is a search over several factors, run by :mod:`tb_nanwatch.record.after_incident.trials`.
+The change is the remedy's catalogue entry's (``Remedy.trial``, a kind of
+:mod:`tb_nanwatch.evidence.changes`); this module reads the kind, never the
+remedy's id, so a new remedy that makes a known kind of change needs nothing
+here:
+
+* :class:`~tb_nanwatch.evidence.changes.OptimizerSettings`: the fresh
+  optimizer's config changed (``clipnorm=1.0``, ``epsilon=1e-4``);
+* :class:`~tb_nanwatch.evidence.changes.ScaleRate`: one re-run per factor, the
+  rate of every step divided by it (run in turn by
+  :mod:`tb_nanwatch.record.after_incident.trials`: the first that works is reported);
+* :class:`~tb_nanwatch.evidence.changes.HoldRate`,
+  :class:`~tb_nanwatch.evidence.changes.WarmUp`: the rate of each step;
+* :class:`~tb_nanwatch.evidence.changes.DataTransform`: the batches, from
+  statistics of the recorded ones: ``normalise_inputs`` puts a
+  ``keras.layers.Normalization`` adapted on the recorded inputs (per feature:
+  mean and variance over the rows) in front of the model,
+  ``standardise_targets`` standardises each target with its recorded mean and
+  standard deviation, ``drop_nonfinite_rows`` leaves out every row holding NaN/Inf;
+* :class:`~tb_nanwatch.evidence.changes.Float32Policy`,
+  :class:`~tb_nanwatch.evidence.changes.FromLogits`,
+  :class:`~tb_nanwatch.evidence.changes.ClipPredictions`: the replica's model
+  and loss (:mod:`tb_nanwatch.record.after_incident.trial_replica`).
 """
 
 from __future__ import annotations
@@ -19,17 +33,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_nanwatch.record.after_incident.trial_replica import (
-    CLIP_HIGH,
-    CLIP_LOW,
-    TrialSkipped,
-    Variant,
-)
-
-CLIPNORM = 1.0
-EPSILON = 1e-4
-# lower_lr tries these factors in turn and reports the first that works.
-LOWER_LR_FACTORS = (10, 100, 1000)
+from tb_nanwatch.evidence import changes, remedies
+from tb_nanwatch.record.after_incident.trial_replica import TrialSkipped, Variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +48,37 @@ class Recorded:
     warmup_steps: int
 
 
-def variant(remedy: str, recorded: Recorded) -> Variant:
-    """The re-run that tries ``remedy``; TrialSkipped when it cannot apply."""
-    fixed = _FIXED.get(remedy)
-    if fixed is not None:
-        return fixed
-    build = _BUILT.get(remedy)
-    if build is None:
+def change_of(remedy: str) -> changes.Change | None:
+    """The change ``remedy``'s trial makes (its catalogue entry's); None for
+    advice and for an id the catalogue does not know."""
+    entry = remedies.CATALOGUE.get(remedy)
+    return None if entry is None else entry.trial
+
+
+def is_advice(remedy: str) -> bool:
+    """A catalogued remedy without a trial (it is not listed among the trials)."""
+    return remedy in remedies.CATALOGUE and change_of(remedy) is None
+
+
+def can_try(change: object) -> bool:
+    """Whether this module reads ``change``'s kind."""
+    return type(change) in _VARIANTS
+
+
+def variants(remedy: str, recorded: Recorded) -> list[Variant]:
+    """The re-runs that try ``remedy``, in the order to run them (several:
+    the first that works is the answer); TrialSkipped when it cannot apply."""
+    change = change_of(remedy)
+    if change is None or not can_try(change):
         raise TrialSkipped(f"{remedy} has no trial (advice)")
-    return build(recorded)
+    return _VARIANTS[type(change)](change, recorded)
 
 
-# The data remedies that may need each other (inputs and targets both unscaled).
-DATA_PARTNERS = {"normalize_inputs": "scale_targets", "scale_targets": "normalize_inputs"}
+def partner(remedy: str) -> str | None:
+    """The remedy tried together with ``remedy`` when it alone does not help
+    (a data transform's partner), else None."""
+    change = change_of(remedy)
+    return change.partner if isinstance(change, changes.DataTransform) else None
 
 
 def together(first: Variant, second: Variant) -> Variant:
@@ -70,40 +93,61 @@ def together(first: Variant, second: Variant) -> Variant:
     return Variant(f"{first.setting} + {second.setting}", transform=transform)
 
 
-def lower_lr(factor: int) -> Variant:
-    """The rate of every step divided by ``factor``."""
+# -- each kind of change --------------------------------------------------------------
+
+
+def _settings(change: changes.OptimizerSettings, recorded: Recorded) -> list[Variant]:
+    return [Variant(change.words, optimizer=tuple(change.settings))]
+
+
+def _scaled(change: changes.ScaleRate, recorded: Recorded) -> list[Variant]:
+    """The rate of every step divided by each factor."""
+    return [_divided(factor) for factor in change.factors]
+
+
+def _divided(factor: float) -> Variant:
     return Variant(f"lr x{1 / factor:g}", rate=lambda step, rate: rate / factor)
 
 
-_FIXED = {
-    "clip_gradients": Variant(
-        f"clipnorm={CLIPNORM}", optimizer=(("clipnorm", CLIPNORM), ("global_clipnorm", None))
-    ),
-    "raise_epsilon": Variant(f"epsilon={EPSILON:g}", optimizer=(("epsilon", EPSILON),)),
-    "float32_policy": Variant("float32 policy", float32=True),
-    "from_logits": Variant("from_logits=True, final sigmoid/softmax removed", from_logits=True),
-    "clip_predictions": Variant(
-        f"predictions clipped to [{CLIP_LOW:g}, {CLIP_HIGH:.7g}]", clip_predictions=True
-    ),
-}
-
-
-def _fix_schedule(recorded: Recorded) -> Variant:
+def _held(change: changes.HoldRate, recorded: Recorded) -> list[Variant]:
     held = recorded.rate_before
     if held is None:
         raise TrialSkipped("the rate before the jump is not known")
-    return Variant(f"lr held at {held:.3g}", rate=lambda step, rate: held)
+    return [Variant(f"lr held at {held:.3g}", rate=lambda step, rate: held)]
 
 
-def _warmup(recorded: Recorded) -> Variant:
+def _warmup(change: changes.WarmUp, recorded: Recorded) -> list[Variant]:
     steps = max(recorded.warmup_steps, 2)
-    return Variant(
-        f"linear lr warm-up ({steps} steps)",
-        rate=lambda step, rate: rate * min(1.0, (step + 1) / steps),
-    )
+    return [
+        Variant(
+            f"linear lr warm-up ({steps} steps)",
+            rate=lambda step, rate: rate * min(1.0, (step + 1) / steps),
+        )
+    ]
 
 
-def _drop_bad_rows(recorded: Recorded) -> Variant:
+def _float32(change: changes.Float32Policy, recorded: Recorded) -> list[Variant]:
+    return [Variant("float32 policy", float32=True)]
+
+
+def _from_logits(change: changes.FromLogits, recorded: Recorded) -> list[Variant]:
+    return [Variant("from_logits=True, final sigmoid/softmax removed", from_logits=True)]
+
+
+def _clip_predictions(change: changes.ClipPredictions, recorded: Recorded) -> list[Variant]:
+    return [
+        Variant(
+            f"predictions clipped to [{change.low:g}, {change.high:.7g}]",
+            clip_predictions=(change.low, change.high),
+        )
+    ]
+
+
+def _transformed(change: changes.DataTransform, recorded: Recorded) -> list[Variant]:
+    return [_TRANSFORMS[change.transform](recorded)]
+
+
+def _drop_nonfinite_rows(recorded: Recorded) -> Variant:
     def transform(batch: list) -> list | None:
         keep = _finite_rows(batch)
         if keep is None or keep.all():
@@ -115,7 +159,7 @@ def _drop_bad_rows(recorded: Recorded) -> Variant:
     return Variant("rows holding NaN/Inf dropped", transform=transform)
 
 
-def _normalize_inputs(recorded: Recorded) -> Variant:
+def _normalise_inputs(recorded: Recorded) -> Variant:
     layers = _adapted([batch[0] for batch in recorded.batches])
     if not any(layer is not None for layer in layers):
         raise TrialSkipped("no float feature input to normalise")
@@ -130,7 +174,7 @@ def _normalize_inputs(recorded: Recorded) -> Variant:
     )
 
 
-def _scale_targets(recorded: Recorded) -> Variant:
+def _standardise_targets(recorded: Recorded) -> Variant:
     if any(len(batch) < 2 or batch[1] is None for batch in recorded.batches):
         raise TrialSkipped("the batches hold no targets")
     scales = _standardisers([batch[1] for batch in recorded.batches])
@@ -149,12 +193,21 @@ def _scale_targets(recorded: Recorded) -> Variant:
     )
 
 
-_BUILT: dict[str, Callable[[Recorded], Variant]] = {
-    "fix_schedule": _fix_schedule,
-    "lr_warmup": _warmup,
-    "drop_bad_rows": _drop_bad_rows,
-    "normalize_inputs": _normalize_inputs,
-    "scale_targets": _scale_targets,
+# The reader of each kind of change, and of each data transform.
+_VARIANTS: dict[type, Callable[..., list[Variant]]] = {
+    changes.OptimizerSettings: _settings,
+    changes.ScaleRate: _scaled,
+    changes.HoldRate: _held,
+    changes.WarmUp: _warmup,
+    changes.DataTransform: _transformed,
+    changes.Float32Policy: _float32,
+    changes.FromLogits: _from_logits,
+    changes.ClipPredictions: _clip_predictions,
+}
+_TRANSFORMS: dict[str, Callable[[Recorded], Variant]] = {
+    "normalise_inputs": _normalise_inputs,
+    "standardise_targets": _standardise_targets,
+    "drop_nonfinite_rows": _drop_nonfinite_rows,
 }
 
 

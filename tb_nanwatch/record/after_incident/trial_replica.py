@@ -23,8 +23,6 @@ import tensorflow as tf
 
 from tb_nanwatch.record.after_incident.bundle import match_arrays
 
-# The probabilities a clipped-predictions loss sees (clip_predictions).
-CLIP_LOW, CLIP_HIGH = 1e-7, 1.0 - 1e-7
 _CROSSENTROPY = {
     "binary_crossentropy": keras.losses.BinaryCrossentropy,
     "bce": keras.losses.BinaryCrossentropy,
@@ -44,8 +42,10 @@ class Variant:
 
     ``rate``: the learning rate of each trial step from the recorded one
     (``rate(step, recorded) -> rate``). ``optimizer``: changes to the
-    optimizer's config (``{"clipnorm": 1.0}``). ``transform``: the batch a
-    step trains on from the recorded one (None: the step is left out).
+    optimizer's config (``{"clipnorm": 1.0}``). ``clip_predictions``: the
+    range the loss sees the predictions clipped to (None: not clipped).
+    ``transform``: the batch a step trains on from the recorded one (None:
+    the step is left out).
     """
 
     setting: str = "as recorded"
@@ -53,7 +53,7 @@ class Variant:
     optimizer: tuple[tuple[str, Any], ...] = ()
     float32: bool = False
     from_logits: bool = False
-    clip_predictions: bool = False
+    clip_predictions: tuple[float, float] | None = None
     transform: Callable[[list], list | None] | None = None
 
 
@@ -255,7 +255,8 @@ def trial_loss(
     model: keras.Model, replica: keras.Model, loss_fn: Callable | None, variant: Variant
 ) -> LossOf:
     """The run's loss for the replica, with the variant's loss changes."""
-    clip = _clip if variant.clip_predictions else (lambda y_pred: y_pred)
+    bounds = variant.clip_predictions
+    clip = (lambda y_pred: _clip(y_pred, *bounds)) if bounds else (lambda y_pred: y_pred)
     if loss_fn is not None:
         fn = logits_loss(loss_fn) if variant.from_logits else loss_fn
 
@@ -280,8 +281,8 @@ def trial_loss(
     return compiled
 
 
-def _clip(y_pred):
-    return tf.nest.map_structure(lambda t: tf.clip_by_value(t, CLIP_LOW, CLIP_HIGH), y_pred)
+def _clip(y_pred, low: float, high: float):
+    return tf.nest.map_structure(lambda t: tf.clip_by_value(t, low, high), y_pred)
 
 
 def logits_loss(loss: Any) -> Any:

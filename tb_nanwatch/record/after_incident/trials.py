@@ -51,6 +51,7 @@ from tb_nanwatch.evidence import run_dir_box
 from tb_nanwatch.evidence import trials as evidence_trials
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.trials import TRIALS_FILE, TRIALS_VERSION, Trial
+from tb_nanwatch.record.after_incident import schedules as _schedules  # noqa: F401 - registers
 from tb_nanwatch.record.after_incident import trial_remedies
 from tb_nanwatch.record.after_incident.bundle import BUNDLE_DIR, ReproBundle, rebuild_batch
 from tb_nanwatch.record.after_incident.trial_replica import (
@@ -63,8 +64,6 @@ from tb_nanwatch.record.after_incident.trial_replica import (
 
 # Causes that grew over many steps: their trials start from a rewind point.
 FROM_REWIND = ("growth_overflow", "explosion", "unscaled_data")
-# Remedies that are advice, with no trial.
-ADVICE = ("fix_weights", "fix_code")
 BUNDLE_STEPS = 10
 MIN_REWIND_STEPS = 20
 REFERENCE_STEPS = 5
@@ -125,7 +124,7 @@ def run_trials(
     ``progress`` gets one line per remedy (default: stderr). Never raises.
     """
     say = progress or _to_stderr
-    ids = [r for r in (cause or {}).get("remedy_ids") or [] if r not in ADVICE]
+    ids = [r for r in (cause or {}).get("remedy_ids") or [] if not trial_remedies.is_advice(r)]
     trials = TrialList()
     if not ids:
         return trials
@@ -346,15 +345,16 @@ class _Runner:
                 why=f"the re-run without a remedy did not fail ({baseline.steps} steps): "
                 "no trial can tell a fix",
             )
-        if remedy == "lower_lr":
-            return self._lower_lr()
         recorded = self._recorded(cause)
         try:
-            variant = trial_remedies.variant(remedy, recorded)
+            variants = trial_remedies.variants(remedy, recorded)
         except TrialSkipped as skipped:
             return Trial(remedy, "not_tried", why=str(skipped))
+        if len(variants) > 1:
+            return self._in_turn(remedy, variants)
+        variant = variants[0]
         alone = self.attempt(remedy, variant)
-        partner = trial_remedies.DATA_PARTNERS.get(remedy)
+        partner = trial_remedies.partner(remedy)
         if alone.outcome != "not_fixed" or partner not in (cause.get("remedy_ids") or ()):
             return alone
         return self._with_partner(alone, variant, partner, recorded)
@@ -365,7 +365,7 @@ class _Runner:
         """Inputs and targets both far from unit scale: one data remedy alone
         may not be enough; tried again with the other (said in the setting)."""
         try:
-            both = trial_remedies.together(variant, trial_remedies.variant(partner, recorded))
+            both = trial_remedies.together(variant, trial_remedies.variants(partner, recorded)[0])
         except TrialSkipped:
             return alone
         together = self.attempt(alone.remedy, both)
@@ -380,10 +380,12 @@ class _Runner:
         warmup = len(episode.batches) if len(episode.batches) > 1 else episode.steps // 2
         return trial_remedies.Recorded(episode.batches, rate_before, warmup)
 
-    def _lower_lr(self) -> Trial:
+    def _in_turn(self, remedy: str, variants: list[Variant]) -> Trial:
+        """Each variant in turn (a rate's factors): the first that does not
+        fail is the answer; else all of them, said in one trial."""
         tried = []
-        for factor in trial_remedies.LOWER_LR_FACTORS:
-            result = self.attempt("lower_lr", trial_remedies.lower_lr(factor))
+        for variant in variants:
+            result = self.attempt(remedy, variant)
             if result.outcome != "not_fixed":
                 return result
             tried.append(result)

@@ -359,6 +359,12 @@ class RunJournal:
         )
         self.flush()
 
+    def update_run_info(self, **fields) -> None:
+        """Adds ``fields`` to the run info the summary carries (they replace
+        those of the same name); written by the next flush."""
+        # A new dict: the worker may be writing the summary from the old one.
+        self.run_info = {**self.run_info, **fields}
+
     def summary(self) -> dict:
         return {
             "format_version": metadata.FORMAT_VERSION,

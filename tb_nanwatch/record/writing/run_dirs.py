@@ -1,6 +1,6 @@
 """Where a watcher writes: one run dir per watcher, one stage dir per later fit.
 
-The rule (README, "options"):
+The rule (docs/reference/on-disk-format.md):
 
 * a watcher (a ``NanWatch`` or ``StepWatcher`` object) writes its run into
   ``log_dir``, unless ``log_dir`` already holds another run's record (event

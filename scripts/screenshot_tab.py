@@ -1,0 +1,132 @@
+"""Takes the README's screenshot of the NaN Watch tab: docs/images/tab.png.
+
+    python scripts/screenshot_tab.py                 # demo runs, then the screenshot
+    python scripts/screenshot_tab.py --logdir LOGS   # runs already written
+
+Writes two demo runs (seed 000, NaN born inside a nested model, and the
+healthy run) with demo/run_all.py into a temporary log dir, starts TensorBoard
+on a free port, opens the NaN Watch tab in headless Chromium (Playwright,
+Debian's /usr/bin/chromium or NANWATCH_CHROMIUM) at 1600 px wide, saves the
+PNG and stops TensorBoard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("NANWATCH_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SCENARIOS = ("seed000_nested_sigmoid_bce", "healthy")
+IFRAME = 'iframe[src*="plugin_entry.html?name=nanwatch"]'
+TIMEOUT_S = 120.0
+
+
+def write_demo_runs(logdir: Path) -> None:
+    command = [sys.executable, str(ROOT / "demo" / "run_all.py"), "--logdir", str(logdir)]
+    subprocess.run([*command, "--only", *SCENARIOS], check=True, cwd=ROOT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def runs_listed(base: str) -> int:
+    with urllib.request.urlopen(f"{base}/data/plugin/nanwatch/runs", timeout=5) as response:
+        return len(json.load(response)["runs"])
+
+
+@contextlib.contextmanager
+def tensorboard(logdir: Path, want_runs: int):
+    """TensorBoard on 127.0.0.1 until the tab lists ``want_runs`` runs; yields its URL."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "tensorboard.main", f"--logdir={logdir}"]
+    command += [f"--port={port}", "--host=127.0.0.1", "--load_fast=false"]
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            deadline = time.monotonic() + TIMEOUT_S
+            while True:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise SystemExit(f"TensorBoard did not start:\n{log.read()[-3000:]}")
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    if runs_listed(base) >= want_runs:
+                        break
+                time.sleep(0.5)
+            yield base
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def screenshot(base: str, out: Path, width: int, height: int) -> None:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.goto(f"{base}/#nanwatch")
+            frame = page.frame_locator(IFRAME)
+            timeout_ms = TIMEOUT_S * 1000
+            frame.locator("#nanwatch[data-state=ready]").wait_for(timeout=timeout_ms)
+            frame.locator("#incident-card [data-field=step]").wait_for(timeout=timeout_ms)
+            page.wait_for_timeout(1500)  # the canvases' last draw
+            out.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(out))
+        finally:
+            browser.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images" / "tab.png")
+    parser.add_argument("--logdir", type=Path, help="serve these runs; write no demo runs")
+    parser.add_argument("--width", type=int, default=1600)
+    parser.add_argument("--height", type=int, default=1250)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="nanwatch_shot_") as tmp:
+        logdir = args.logdir
+        if logdir is None:
+            logdir = Path(tmp) / "logs"
+            write_demo_runs(logdir)
+        want = len(SCENARIOS) if args.logdir is None else 1
+        with tensorboard(logdir, want) as base:
+            screenshot(base, args.out, args.width, args.height)
+    print(f"wrote {args.out} ({args.out.stat().st_size // 1024} KB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
