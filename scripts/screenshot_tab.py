@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -25,17 +24,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = os.environ.get("NANWATCH_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+sys.path.insert(0, str(ROOT / "tests"))
+from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS  # noqa: E402 - the tests' Chromium
+
 SCENARIOS = ("seed000_nested_sigmoid_bce", "healthy")
 IFRAME = 'iframe[src*="plugin_entry.html?name=nanwatch"]'
 TIMEOUT_S = 120.0
