@@ -239,7 +239,7 @@ def _print_trials(found, out: TextIO) -> None:
         return
     from tb_nanwatch.record.after_incident import trials
 
-    print("remedies, tried on a copy of the model:", file=out)
+    print("remedies, tried on a re-run of the recorded steps:", file=out)
     print("\n".join(f"  {printable(line)}" for line in trials.tried_lines(found)), file=out)
 
 
@@ -339,10 +339,13 @@ def _trial_input(run_dir: str, saved):
     cause, summary = run["cause"], run["summary"]
 
     def data() -> trials.TrialData:
+        losses = dict(run["losses"])  # the recorded losses the re-run must reproduce
         if summary.get("rewind_point"):
-            return trials.TrialData(saved, rewind=rewind_points.load_rewind_point(run_dir))
+            point = rewind_points.load_rewind_point(run_dir)
+            losses.update(point.recorded_losses())
+            return trials.TrialData(saved, rewind=point, recorded_losses=losses)
         missing = summary.get("rewind_point_not_taken") or "none was saved"
-        return trials.TrialData(saved, rewind_missing=missing)
+        return trials.TrialData(saved, rewind_missing=missing, recorded_losses=losses)
 
     options = WatchOptions(explosion_factor=summary.get("explosion_factor", 1e3))
     step = saved.step if saved is not None else (summary.get("explosion") or {}).get("step")
@@ -363,7 +366,27 @@ def _run_of(run_dir: str) -> dict:
     if len(entries) != 1:
         raise ValueError(f"{run_dir} holds {len(entries)} NaN Watch runs, not one")
     name = next(n for n in runs if report.run_report(runs[n])["run"] == entries[0]["run"])
-    return {"cause": entries[0]["cause"], "summary": runs[name].summary}
+    return {
+        "cause": entries[0]["cause"],
+        "summary": runs[name].summary,
+        "losses": _recorded_losses(provider, runs[name]),
+    }
+
+
+def _recorded_losses(provider, run) -> dict[int, float]:
+    """The run's recorded loss by step (its series; {} when it has none)."""
+    from tensorboard import context
+
+    from tb_nanwatch.board import reader, report
+
+    try:
+        source = reader.Source(provider, context.RequestContext(), report.EXPERIMENT_ID)
+        series = source.series(run)
+    except Exception:  # noqa: BLE001 - without the series the trials say "cannot verify"
+        return {}
+    if series is None or "loss" not in series.columns:
+        return {}
+    return {int(s): float(v) for s, v in zip(series.steps, series.columns["loss"], strict=True)}
 
 
 def _add_replay_command(commands) -> None:

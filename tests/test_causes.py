@@ -309,7 +309,7 @@ def test_the_cause_is_the_one_built_in(verdicts, name):
     if expected is None:
         assert run.summary["explosion"] is None and run.summary["first_nonfinite"] is None
         return
-    assert set(cause) == {"id", "summary", "evidence", "remedies", "remedy_ids"}
+    assert set(cause) == causes.VERDICT_KEYS
     assert cause["id"] in causes.CAUSE_IDS
     assert cause["summary"].count(". ") == 0 and cause["summary"].endswith(".")
     assert cause["remedies"] and all(set(r) == {"id", "text", "trial"} for r in cause["remedies"])
@@ -512,6 +512,7 @@ REMEDY_IDS = (
     "clip_gradients",
     "raise_epsilon",
     "from_logits",
+    "output_activation",
     "clip_predictions",
     "float32_policy",
     "normalize_inputs",
@@ -532,6 +533,7 @@ def test_the_engine_has_one_entry_per_id_and_every_remedy_it_names_is_catalogued
     assert list(causes.CAUSE_LABELS.items()) == [
         ("nonfinite_weights", "Weights already NaN/Inf before the step"),
         ("input_data", "Bad input data"),
+        ("logits_as_probabilities", "Loss reads probabilities, got raw logits"),
         ("unscaled_data", "Data far from unit scale"),
         ("growth_overflow", "Overflow after growth"),
         ("fp16_overflow", "float16 overflow"),

@@ -339,3 +339,72 @@ def test_the_journal_reports_the_climb_at_the_first_nonfinite_step(tmp_path):
     summary = write_vector_run(str(tmp_path), 10, edit)
     assert summary["first_nonfinite"]["step"] == 3
     assert summary["explosion"]["step"] == 1 and summary["explosion"]["signal"] == "loss"
+
+
+# -- a regression learning its scale is healthy -------------------------------------------
+
+
+def learning_to_1e5(loss_rises: bool = False) -> list[np.ndarray]:
+    """Targets 5e4-1.5e5; the outputs grow from 1 to 1e5 over 20 steps while
+    the loss falls from 1e10 (or, ``loss_rises``, climbs)."""
+    from test_remedies import make_schema, put
+
+    schema = make_schema()
+    vectors = []
+    for step in range(40):
+        vector = base_vector(schema, step)
+        put(schema, vector, "input", "input", "target", min=5e4, max=1.5e5)
+        size = 10.0 ** min(5.0, step / 4)
+        for name in ("dense_0", "dense_1", "dense_2"):
+            put(schema, vector, "forward", "activation", name, min=0.0, max=size)
+        put(schema, vector, "forward", "logits", "out", min=-size, max=size)
+        fall = 1e10 * 0.8**step * (1 + 0.3 * (step % 2))  # noisy, as one batch's loss is
+        vector[schema.header_index("loss")] = 1e10 * 1.5**step if loss_rises else fall
+        vectors.append(vector)
+    return schema, vectors
+
+
+def explosion_of(schema, vectors) -> dict | None:
+    run = diagnosis.RunDiagnosis(schema, WatchOptions())
+    for step, vector in enumerate(vectors):
+        verdict = run.judge(diagnosis.StepPlace(step, 0, step), vector)
+        if verdict.explosion is not None:
+            return verdict.explosion
+    return run.finish()
+
+
+def test_outputs_growing_toward_large_targets_while_the_loss_falls_are_no_explosion():
+    assert explosion_of(*learning_to_1e5()) is None
+    climbing = explosion_of(*learning_to_1e5(loss_rises=True))
+    assert climbing is not None and climbing["signal"] in ("loss", "logits", "activation")
+
+
+def test_outputs_far_beyond_the_targets_still_explode_while_the_loss_falls():
+    schema, vectors = learning_to_1e5()
+    from test_remedies import put
+
+    for step in range(25, 40):
+        put(schema, vectors[step], "forward", "logits", "out", min=-1e12, max=1e12)
+    found = explosion_of(schema, vectors)
+    assert found is not None and found["signal"] == "logits"
+
+
+def test_a_dense_regression_fit_to_targets_of_1e5_is_healthy(tmp_path):
+    import keras
+    from nanwatch_testlib import report_json
+
+    import tb_nanwatch
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64 * 8, 4)).astype("float32")
+    y = (1e5 + 2e4 * x @ np.array([[1.0], [0.5], [-0.3], [0.2]])).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    watch = tb_nanwatch.NanWatch(str(tmp_path / "run"))
+    history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[watch])
+    assert history.history["loss"][0] < 1e10  # it learned: 1e10 at the first step
+    prediction = model.predict(x[:16], verbose=0)
+    assert np.abs(prediction - y[:16]).max() < 1e4  # the outputs reached the targets' scale
+    (run,) = report_json(tmp_path)
+    assert run["cause"] is None, run["cause"]

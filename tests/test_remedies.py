@@ -130,7 +130,10 @@ def test_raw_house_prices_are_unscaled_data_with_the_data_remedies_first():
     cause = causes.diagnose(record(2, raw_house_prices, HOUSE))
     assert cause["id"] == "unscaled_data", cause
     assert cause["remedy_ids"][:2] == ["normalize_inputs", "scale_targets"]
-    assert cause["remedy_ids"][2:] == ["lower_lr", "clip_gradients"]
+    assert cause["remedy_ids"][2:4] == ["lower_lr", "clip_gradients"]
+    # The other candidates' remedies follow: the trials try them too.
+    assert cause["candidates"][:2] == ["unscaled_data", "growth_overflow"]
+    assert cause["remedy_ids"][4] == "lr_warmup"
     evidence = cause["evidence"]
     assert evidence["input"] == "the model input" and evidence["target"] == "the target"
     assert evidence["input_max"] == pytest.approx(19222.5)

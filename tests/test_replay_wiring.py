@@ -167,6 +167,11 @@ def test_an_explosion_gets_its_trials_at_the_end_and_again_from_a_copied_run_dir
     body = json.loads(out.getvalue())
     assert body["op"] is None
     assert body["trials"] == written["trials"]
+    # Both re-runs were checked against the recorded losses (the journal's; the record's).
+    with open(tmp_path / "sent" / "repro" / "trials.json") as f:
+        again = json.load(f)
+    for fidelity in (written["fidelity"], again["fidelity"]):
+        assert fidelity.startswith("the re-run reproduced the recorded losses"), fidelity
 
 
 def test_seed003_demo_card_names_the_op_and_its_source_line(tmp_path):

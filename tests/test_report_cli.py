@@ -13,6 +13,7 @@ import nanwatch_testlib as lib
 import pytest
 
 from tb_nanwatch import cli
+from tb_nanwatch.evidence import causes
 from tb_nanwatch.record.writing.synthetic import write_synthetic_run
 
 RUN_KEYS = {
@@ -25,7 +26,7 @@ RUN_KEYS = {
     "recoveries",
 }
 INCIDENT_KEYS = {"step", "phase", "layer", "tensor", "kind", "op"}
-CAUSE_KEYS = {"id", "summary", "evidence", "remedies", "remedy_ids"}
+CAUSE_KEYS = causes.VERDICT_KEYS
 
 
 def _skips(step, vector, schema):

@@ -227,7 +227,7 @@ def test_rmsprop_epsilon_zero_is_fixed_by_a_larger_epsilon(tmp_path, capfd):
     assert not by_hand(dead_head_model(broken), start, batches, steps, broken)[0]
     assert found["lower_lr"]["outcome"] == "not_fixed"  # 0/0 at any rate
     err = capfd.readouterr().err
-    assert "NanWatch remedies, tried on a copy of the model:" in err
+    assert "NanWatch remedies, tried on a re-run of the recorded steps:" in err
     assert "raise_epsilon: Tried: epsilon=0.0001 kept" in err
 
 

@@ -110,12 +110,24 @@ function renderRemedy(remedy, rank) {
   ]);
 }
 
+/**
+ * The heading over the remedies: whether a tried fix leads, or none worked.
+ * @param {Array<{trial: Object|null}>} listed The remedies, as remedyOf reads them.
+ * @returns {string} e.g. "What to try, best first (the fixes that worked lead)".
+ */
+export function remediesHeading(listed) {
+  const outcomes = listed.map((remedy) => remedy.trial && String(remedy.trial.outcome));
+  if (outcomes.includes("fixed")) return "What to try, best first (the fixes that worked lead)";
+  if (outcomes.includes("not_fixed")) return "What to try: no remedy tried fixed the run";
+  if (outcomes.some(Boolean)) return "What to try, best first (untested: no remedy trial could run)";
+  return "What to try, best first";
+}
+
 function renderRemedies(remedies, ids) {
   if (!remedies || !remedies.length) return null;
   const listed = remedies.map((remedy, i) => remedyOf(remedy, ids?.[i]));
-  const tried = listed.some((remedy) => remedy.trial);
   return el("div", { class: "cause-remedies-box" }, [
-    el("h4", { text: tried ? "What to try, best first (the fixes that worked lead)" : "What to try, best first" }),
+    el("h4", { text: remediesHeading(listed) }),
     el(
       "ol",
       { class: "remedies" },

@@ -18,8 +18,9 @@ The kinds:
 * :class:`WarmUp`: a linear learning-rate warm-up;
 * :class:`DataTransform`: the batches changed (``normalise_inputs``,
   ``standardise_targets``, ``drop_nonfinite_rows``);
-* :class:`Float32Policy`, :class:`FromLogits`, :class:`ClipPredictions`:
-  the model's dtype policy, its loss reading logits, its predictions clipped.
+* :class:`Float32Policy`, :class:`FromLogits`, :class:`ClipPredictions`,
+  :class:`OutputActivation`: the model's dtype policy, its loss reading
+  logits, its predictions clipped, an activation on its outputs.
 
 Pure Python, no TensorFlow.
 """
@@ -106,6 +107,14 @@ class ClipPredictions:
     high: float
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputActivation:
+    """The loss sees ``activation(outputs)``: raw logits fed to a loss that
+    reads probabilities get the softmax (or sigmoid) they lack."""
+
+    activation: str = "softmax"
+
+
 Change = (
     OptimizerSettings
     | ScaleRate
@@ -115,6 +124,7 @@ Change = (
     | Float32Policy
     | FromLogits
     | ClipPredictions
+    | OutputActivation
 )
 KINDS = (
     OptimizerSettings,
@@ -125,4 +135,5 @@ KINDS = (
     Float32Policy,
     FromLogits,
     ClipPredictions,
+    OutputActivation,
 )

@@ -209,6 +209,7 @@ class RunDiagnosis:
         self._streak: tuple[StepPlace, np.ndarray] | None = None
         self._header = {f: schema.header_index(f) for f in schema.header().fields}
         self._lr = LearningRateJumps()
+        self._learning = LearningScale(schema)
         # What can make a step an incident: every count, and "skipped".
         index = schema.diagnosed_index()
         self._incident_fields = np.concatenate([index.nan, index.inf, [self._header["skipped"]]])
@@ -240,6 +241,9 @@ class RunDiagnosis:
             self.incident = incident
         self._lr.update(place.step, self.header(vector, "lr"))
         signals = self.signal_reader.step_signals(vector)
+        scale = self._learning.update(vector, signals.loss)
+        if scale is not None:
+            self.explosion.raise_scale(scale)
         explosion = self.explosion.update(place.step, self.signal_reader.values(vector, signals))
         if incident is not None and explosion is None:
             explosion = self.explosion.finish()
@@ -259,6 +263,7 @@ class RunDiagnosis:
         detector = self.explosion
         self.explosion = ExplosionDetector(detector.signals, factor=detector.factor)
         self._lr = LearningRateJumps()
+        self._learning = LearningScale(self.schema)
         self._streak = None
 
     def _incident_rule(
@@ -300,6 +305,60 @@ class RunDiagnosis:
         return incident
 
 
+# A loss falls steadily over the last STEADY_STEPS finite steps (at least
+# STEADY_MIN_STEPS) when the median of their later half is below that of their
+# earlier half and the last value is below the first (one batch's loss is noisy).
+STEADY_STEPS = 10
+STEADY_MIN_STEPS = 3
+
+
+def falling_steadily(losses: Sequence[float]) -> bool:
+    """Whether a loss series (oldest first) falls steadily (see STEADY_STEPS)."""
+    values = [v for v in losses if math.isfinite(v)]
+    if len(values) < STEADY_MIN_STEPS or not values[-1] < values[0]:
+        return False
+    half = len(values) // 2
+    return float(np.median(values[-half:])) < float(np.median(values[:half]))
+
+
+class LearningScale:
+    """A regression learning the scale of its targets: while the loss falls
+    steadily, the outputs growing toward the targets' recorded range are
+    healthy. Each step gives the targets' largest |x| so far when the loss is
+    falling steadily (the explosion detector's reference for outputs and
+    activations never falls below it), else None."""
+
+    def __init__(self, schema: Schema) -> None:
+        targets = [
+            e
+            for e in schema.find(phase="input", kind="input")
+            if isinstance(e.tensor, str)
+            and (e.tensor == "target" or e.tensor.startswith("target "))
+        ]
+        self._bounds = np.array(
+            schema.indices(targets, "min") + schema.indices(targets, "max"), np.intp
+        )
+        self._losses: collections.deque[float] = collections.deque(maxlen=STEADY_STEPS)
+        self._scale = 0.0
+
+    def update(self, vector: np.ndarray, loss: float) -> float | None:
+        """Feeds one step's statistics vector and loss."""
+        if not len(self._bounds):
+            return None
+        bounds = np.abs(np.asarray(vector)[self._bounds].astype(np.float64))
+        bounds = bounds[np.isfinite(bounds)]
+        return self.step(loss, float(bounds.max()) if len(bounds) else math.nan)
+
+    def step(self, loss: float, target_abs: float) -> float | None:
+        """Feeds one step's loss and its targets' largest |x| (NaN: not known)."""
+        self._losses.append(float(loss))
+        if math.isfinite(target_abs):
+            self._scale = max(self._scale, target_abs)
+        if self._scale <= 1.0 or not falling_steadily(self._losses):
+            return None
+        return self._scale
+
+
 class ExplosionDetector:
     """Flags the onset of a blow-up, with or without a NaN/Inf after it.
 
@@ -314,7 +373,10 @@ class ExplosionDetector:
        below ``floor_ratio`` x its lowest median over the first
        ``reference_steps`` steps (a loss trained down to 1e-6 does not make a
        later 1e-3 an explosion), and, for logits and activations, never below
-       1 (growth from ~0 to an ordinary size is no explosion). These
+       1 (growth from ~0 to an ordinary size is no explosion), nor, once
+       the loss has fallen steadily with targets recorded, below the targets'
+       largest |x| (:meth:`raise_scale`: a regression learning targets of
+       1e5 grows its outputs toward them, which is no explosion). These
        ``reference_steps`` are the detector's own: not the watcher's
        ``window`` (the flight recorder's length).
     2. A value is *above the line* when it exceeds ``factor`` x the reference.
@@ -373,6 +435,8 @@ class ExplosionDetector:
         # reference's floor (fixed from then on), how many values of a ring
         # must lie below a level before its median can, and the ring's middle.
         self._floor_line: np.ndarray | None = None
+        # Each signal's reference never falls below its scale (see raise_scale).
+        self._scale = np.zeros(size)
         self._half = -(-reference_steps // 2)
         self._middle = [(reference_steps - 1) // 2, reference_steps // 2]
         self.onset: dict | None = None
@@ -401,6 +465,13 @@ class ExplosionDetector:
         if self.onset is None and (self._above >= self.patience).any():
             return self._fire(self._above >= self.patience)
         return None
+
+    def raise_scale(self, scale: float) -> None:
+        """The outputs' and activations' reference never falls below ``scale``
+        from now on: a regression learning targets of that size is no explosion
+        (see :class:`RunDiagnosis`)."""
+        if math.isfinite(scale) and scale > 0:
+            self._scale = np.where(self._unit, np.fmax(self._scale, scale), self._scale)
 
     def finish(self) -> dict | None:
         """The run ended or went non-finite: a signal still above the line
@@ -433,7 +504,7 @@ class ExplosionDetector:
         floor_line = np.where(self._unit, np.fmax(floor_line, 1.0), floor_line)
         if self._floor_line is None and self._frozen.all():
             self._floor_line = floor_line
-        return np.where(known, np.fmax(self._lowest, floor_line), np.nan)
+        return np.where(known, np.fmax(np.fmax(self._lowest, floor_line), self._scale), np.nan)
 
     def _steady_update(self, step: int, values: np.ndarray) -> dict | None | bool:
         """:meth:`update` once every ring is full, for a step whose values
@@ -453,7 +524,7 @@ class ExplosionDetector:
             # np.median of the full rings, without its overhead.
             middle = np.partition(ring[:, columns], self._middle, axis=0)[self._middle]
             lowest[columns] = np.fmin(lowest[columns], (middle[0] + middle[1]) / 2)
-        reference = np.fmax(lowest, self._floor_line)
+        reference = np.fmax(np.fmax(lowest, self._floor_line), self._scale)
         if not (reference > 0).all():
             return False
         ratio = values / reference

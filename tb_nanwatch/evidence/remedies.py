@@ -43,6 +43,33 @@ FAR_FROM_UNIT = 50.0
 # Layer class or path words that make a model one with attention (or a masked
 # softmax): only then is masking advice given.
 ATTENTION_WORDS = ("attention", "attend", "mask", "softmax")
+# Final activations whose outputs are probabilities (the run summary's
+# ``output_activations``).
+PROBABILITY_ACTIVATIONS = frozenset({"softmax", "sigmoid", "log_softmax"})
+# Layer classes that, first in a model, put its inputs at unit scale.
+NORMALIZING_LAYERS = frozenset(
+    {"Normalization", "Rescaling", "BatchNormalization", "LayerNormalization"}
+)
+# Words of a loss's recorded name (``loss_name``) that make it a
+# classification loss: its targets are labels (class or token ids), never
+# values whose scale matters.
+CLASSIFICATION_LOSS_WORDS = (
+    "crossentropy",
+    "entropy",
+    "categorical",
+    "sparse",
+    "nll",
+    "likelihood",
+    "hinge",
+    "kl_div",
+    "kldiv",
+    "token",
+    "class",
+    "label",
+)
+# Words of a loss's recorded name that make it a regression loss (its
+# targets are values, even whole ones).
+REGRESSION_LOSS_WORDS = ("squared", "absolute", "mse", "mae", "huber", "cosh", "mape", "msle")
 RESCALE_FLOAT64 = "Rescale float64 data before casting to float32: values beyond 3.4e38 become Inf."
 
 
@@ -61,6 +88,10 @@ class DataScale:
     low: float
     high: float
     target: bool
+    # Why its range is no scale evidence (None: it is): "class ids" (integer
+    # targets of a classification loss), "normalised by the model" (an input
+    # whose model starts with a Normalization).
+    not_scale: str | None = None
 
     @property
     def max_abs(self) -> float:
@@ -68,8 +99,14 @@ class DataScale:
 
     @property
     def far(self) -> bool:
-        """Far from unit scale (see :data:`FAR_FROM_UNIT`)."""
-        return self.max_abs >= FAR_FROM_UNIT
+        """Far from unit scale (see :data:`FAR_FROM_UNIT`); never class or
+        token ids, never an input the model normalises itself."""
+        return self.not_scale is None and self.max_abs >= FAR_FROM_UNIT
+
+    @property
+    def integral(self) -> bool:
+        """Both bounds whole numbers, none negative (what class ids look like)."""
+        return self.low >= 0 and float(self.low).is_integer() and float(self.high).is_integer()
 
     def text(self) -> str:
         """e.g. ``the model input ranges 510 to 1.92e+04``."""
@@ -101,6 +138,23 @@ class Facts:
         """The model inputs (or the targets) far from unit scale, largest first."""
         found = [s for s in self.scales if s.target == target and s.far]
         return sorted(found, key=lambda s: -s.max_abs)
+
+    @property
+    def normalizes_inputs(self) -> bool:
+        """The model's first layer normalises its inputs (recorded
+        ``normalizes_inputs`` or ``first_layer_class``)."""
+        return normalizes_inputs(self.summary)
+
+    @property
+    def outputs_end_in_probabilities(self) -> bool:
+        """The outputs already end in a sigmoid/softmax (recorded before a final
+        activation, or the run summary's ``output_activations``)."""
+        return self.outputs_probabilities or outputs_activated(self.summary)
+
+    @property
+    def loss_name(self) -> str | None:
+        value = self.summary.get("loss_name")
+        return value if isinstance(value, str) else None
 
     @property
     def op(self) -> str | None:
@@ -171,6 +225,36 @@ class Facts:
         return float(value) if finite and math.isfinite(value) else None
 
 
+def normalizes_inputs(summary: Mapping) -> bool:
+    """Whether the run summary says the model's first layer normalises its inputs."""
+    if summary.get("normalizes_inputs") is True:
+        return True
+    return summary.get("first_layer_class") in NORMALIZING_LAYERS
+
+
+def outputs_activated(summary: Mapping) -> bool:
+    """Whether the run summary says every model output ends in a sigmoid/softmax."""
+    found = summary.get("output_activations")
+    if not isinstance(found, list) or not found:
+        return False
+    return all(isinstance(a, str) and a.lower() in PROBABILITY_ACTIVATIONS for a in found)
+
+
+def classification_loss(summary: Mapping) -> bool:
+    """Whether the loss takes labels: a cross-entropy (``loss_from_logits``
+    recorded either way) or a loss whose name says so (``loss_name``)."""
+    if isinstance(summary.get("loss_from_logits"), bool):
+        return True
+    name = summary.get("loss_name")
+    return isinstance(name, str) and any(w in name.lower() for w in CLASSIFICATION_LOSS_WORDS)
+
+
+def regression_loss(summary: Mapping) -> bool:
+    """Whether the loss's recorded name (``loss_name``) is a regression loss's."""
+    name = summary.get("loss_name")
+    return isinstance(name, str) and any(w in name.lower() for w in REGRESSION_LOSS_WORDS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Remedy:
     """One remedy: its id, short label, text and when it applies; what its
@@ -222,6 +306,30 @@ def _normalize_inputs(f: Facts) -> str:
         f"Normalise the inputs: {seen}. Put a keras.layers.Normalization first in the model "
         "and adapt it on the training data (norm = keras.layers.Normalization(); "
         "norm.adapt(x_train)), so each feature has mean 0 and variance 1."
+    )
+
+
+def probability_activation(f: Facts) -> str:
+    """The activation the outputs lack: sigmoid for a binary loss, else softmax."""
+    name = (f.loss_name or "").lower()
+    return "sigmoid" if "binary" in name or "sigmoid" in name else "softmax"
+
+
+def _output_activation(f: Facts) -> str:
+    act = probability_activation(f)
+    low, high = f.number("output_min"), f.number("output_max")
+    seen = (
+        f" (its outputs ranged {fmt(low)} to {fmt(high)} at step {f.evidence.get('first_step')})"
+        if low is not None and high is not None
+        else ""
+    )
+    loss = f.loss_name if f.loss_name and f.loss_name[:1].isupper() else None
+    loss = loss or ("BinaryCrossentropy" if act == "sigmoid" else "SparseCategoricalCrossentropy")
+    return (
+        f"The loss takes the log of probabilities but the model outputs raw logits{seen}: "
+        f'add the {act} on the outputs (the last layer keras.layers.Dense(n, activation="{act}"), '
+        f'or outputs = keras.layers.Activation("{act}")(logits)), or keep the logits and '
+        f"compute the loss from them: loss=keras.losses.{loss}(from_logits=True)."
     )
 
 
@@ -378,6 +486,15 @@ CATALOGUE: dict[str, Remedy] = {
             trial=changes.FromLogits(),
         ),
         Remedy(
+            "output_activation",
+            "Add the softmax/sigmoid on the outputs",
+            _output_activation,
+            # Raw outputs fed to a loss that reads probabilities; never to
+            # outputs that already end in a sigmoid/softmax.
+            applies=lambda f: f.loss_from_logits is not True and not f.outputs_end_in_probabilities,
+            trial=changes.OutputActivation("softmax"),
+        ),
+        Remedy(
             "clip_predictions",
             "Clip predictions before the log",
             _text(
@@ -403,7 +520,10 @@ CATALOGUE: dict[str, Remedy] = {
             "Normalise the inputs",
             _normalize_inputs,
             # Only on scale evidence: an Inf in the data, or an input far from unit scale.
-            applies=lambda f: f.cause == "input_data" or bool(f.far(target=False)),
+            # Never to a model whose first layer already normalises its inputs.
+            applies=lambda f: (
+                f.cause == "input_data" or (bool(f.far(target=False)) and not f.normalizes_inputs)
+            ),
             trial=changes.DataTransform("normalise_inputs", partner="scale_targets"),
         ),
         Remedy(

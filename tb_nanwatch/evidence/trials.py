@@ -19,10 +19,15 @@ from collections.abc import Iterable, Sequence
 TRIALS_FILE = "trials.json"  # in the run dir's repro/ folder
 TRIALS_PATH = f"repro/{TRIALS_FILE}"  # relative to the run dir
 TRIALS_VERSION = 1
-OUTCOMES = ("fixed", "not_fixed", "not_tried")
+OUTCOMES = ("fixed", "not_fixed", "not_tried", "cannot_verify")
 # How each outcome reads on the card, in ``report`` and on the console (the
 # tab's vocabulary serves them).
-OUTCOME_WORDS = {"fixed": "Tried", "not_fixed": "Tried, did not help", "not_tried": "Not tried"}
+OUTCOME_WORDS = {
+    "fixed": "Tried",
+    "not_fixed": "Tried, did not help",
+    "not_tried": "Not tried",
+    "cannot_verify": "Cannot verify",
+}
 # A trials file larger than this is not read.
 MAX_TRIALS_BYTES = 1 << 20
 
@@ -32,8 +37,11 @@ class Trial:
     """One remedy's trial.
 
     ``outcome``: ``"fixed"`` (finite through the trial; for an explosion the
-    signal stayed under the explosion line), ``"not_fixed"`` or
-    ``"not_tried"`` (``why`` says why). ``steps``: the steps the trial ran.
+    signal stayed under the explosion line), ``"not_fixed"``,
+    ``"not_tried"`` (``why`` says why) or ``"cannot_verify"`` (the re-run
+    without a remedy did not reproduce the recorded run, so no trial of it
+    says anything about the remedy; ``why``: "cannot verify: the re-run
+    diverged from the recorded run at step k (...)"). ``steps``: the steps the trial ran.
     ``setting``: what was applied (``"clipnorm=1.0"``, ``"lr x0.01"``).
     ``loss_first``/``loss_last``: the trial's loss at its first and last step
     (None when not known). ``learning``: whether the loss went down over the
@@ -109,8 +117,9 @@ def parse_trials(data: object) -> tuple[Trial, ...]:
 
 def _rank_key(trial: Trial | None) -> int:
     """0: fixed and learning; 1: fixed, learning not known; 2: fixed by stopping
-    learning; 3: not tried; 4: tried and did not help."""
-    if trial is None or trial.outcome == "not_tried":
+    learning; 3: not tried or cannot verify (nothing known); 4: tried and did
+    not help."""
+    if trial is None or trial.outcome in ("not_tried", "cannot_verify"):
         return 3
     if trial.outcome == "not_fixed":
         return 4
@@ -119,8 +128,9 @@ def _rank_key(trial: Trial | None) -> int:
 
 def rank(remedy_ids: Sequence[str], trials: Iterable[Trial]) -> list[str]:
     """``remedy_ids`` ordered by their trials: the fixes that keep learning
-    first, then the other fixes, then the remedies not tried, and those tried
-    that did not help last; the given order within each group."""
+    first, then the other fixes, then the remedies not tried or whose trial
+    cannot be verified, and those tried that did not help last; the given
+    order within each group."""
     by_id = by_remedy(trials)
     order = sorted(range(len(remedy_ids)), key=lambda i: (_rank_key(by_id.get(remedy_ids[i])), i))
     return [remedy_ids[i] for i in order]
@@ -151,10 +161,16 @@ def loss_text(value: float | None) -> str:
 
 def trial_text(trial: Trial) -> str:
     """One line on a remedy's trial, e.g. ``Tried: clipnorm=1.0 kept 40 steps
-    finite, loss 1.0e4 -> 7.7e3``; ``Tried, did not help: ...``; ``Not tried: why``."""
+    finite, loss 1.0e4 -> 7.7e3``; ``Tried, did not help: ...``; ``Not tried: why``;
+    ``Cannot verify: the re-run diverged from the recorded run at step k (...)``."""
     setting = trial.setting or trial.remedy
     if trial.outcome == "not_tried":
         return f"{OUTCOME_WORDS['not_tried']}: {trial.why or 'no reason recorded'}"
+    if trial.outcome == "cannot_verify":
+        why = trial.why or "the re-run did not reproduce the recorded run"
+        prefix = "cannot verify: "
+        why = why[len(prefix) :] if why.lower().startswith(prefix) else why
+        return f"{OUTCOME_WORDS['cannot_verify']}: {why}"
     loss = ""
     if trial.loss_first is not None and trial.loss_last is not None:
         loss = f", loss {loss_text(trial.loss_first)} -> {loss_text(trial.loss_last)}"

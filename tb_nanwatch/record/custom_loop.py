@@ -86,6 +86,7 @@ from tb_nanwatch.record.session import (
     check_optimizer,
     check_writable,
     loss_from_logits,
+    loss_name,
 )
 from tb_nanwatch.record.writing.journal import RunJournal
 from tb_nanwatch.record.writing.run_dirs import RunPlacement
@@ -177,6 +178,7 @@ class StepWatcher:
             info["micro_batches"] = micro_batches
         if loss_fn is not None:
             info["loss_from_logits"] = loss_from_logits(loss_fn)
+            info["loss_name"] = loss_name(loss_fn)
         self.session = WatchSession(
             log_dir,
             self.recorder,

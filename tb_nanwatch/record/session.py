@@ -170,6 +170,7 @@ def base_run_info(recorder: StepRecorder, model, optimizer, options: WatchOption
         "on_nonfinite": options.on_nonfinite,
         "dtype_policy": getattr(getattr(model, "dtype_policy", None), "name", None),
         "loss_from_logits": loss_from_logits(getattr(model, "loss", None)),
+        "loss_name": loss_name(getattr(model, "loss", None)),
         **_weights_at_start(model),
         **_model_facts(model, optimizer),
     }
@@ -197,10 +198,78 @@ def _model_facts(model, optimizer) -> dict:
             "has_attention": attention,
             "optimizer_settings": settings if inner is not None else None,
             "input_dtypes": _input_dtypes(model),
+            **model_ends(model),
         }
     except Exception as error:  # noqa: BLE001 - evidence only: never stop the watch for it
         logger.warning("NanWatch could not read the model's layers or optimizer: %r", error)
         return {}
+
+
+# Layers that, first in a model, bring its inputs to unit scale.
+NORMALIZING_LAYERS = ("Normalization", "Rescaling", "BatchNormalization", "LayerNormalization")
+
+
+def model_ends(model) -> dict:
+    """What the remedies read of the model's ends: ``first_layer_class`` (the
+    first layer after the inputs), ``normalizes_inputs`` (it is a
+    normalisation) and ``output_activations`` (each output layer's final
+    activation: ``"softmax"``, ``"sigmoid"``, ``"linear"``, ... None: not known)."""
+    layers = [
+        layer
+        for layer in getattr(model, "layers", None) or []
+        if type(layer).__name__ != "InputLayer"
+    ]
+    if not layers:
+        return {}
+    first = type(layers[0]).__name__
+    outputs = _output_layers(model) or [layers[-1]]
+    return {
+        "first_layer_class": first,
+        "normalizes_inputs": first in NORMALIZING_LAYERS,
+        "output_activations": [_final_activation(layer) for layer in outputs],
+    }
+
+
+def _output_layers(model) -> list:
+    try:
+        tensors = tf.nest.flatten(getattr(model, "outputs", None) or [])
+    except (AttributeError, ValueError):  # a subclassed model that was never called
+        return []
+    found = []
+    for tensor in tensors:
+        history = getattr(tensor, "_keras_history", None)
+        layer = getattr(history, "operation", None) or getattr(history, "layer", None)
+        if layer is None:
+            return []
+        found.append(layer)
+    return found
+
+
+def _final_activation(layer) -> str | None:
+    """The activation a layer ends in, by name (``"softmax"``), None when not known."""
+    name = type(layer).__name__
+    if name in ("Softmax", "Sigmoid"):
+        return name.lower()
+    activation = getattr(layer, "activation", None)
+    if activation is None:
+        return "linear" if name in ("Dense", "EinsumDense", "Conv1D", "Conv2D") else None
+    if isinstance(activation, str):
+        return activation
+    return getattr(activation, "__name__", None)
+
+
+def loss_name(loss) -> str | None:
+    """The loss by name: a loss object's class, a function's name, a string
+    as given; None for several differing losses or none."""
+    if isinstance(loss, (list, tuple, dict)):
+        names = {loss_name(item) for item in tf.nest.flatten(loss)}
+        return names.pop() if len(names) == 1 else None
+    if isinstance(loss, str):
+        return loss
+    if loss is None:
+        return None
+    name = getattr(loss, "__name__", None) or type(loss).__name__
+    return str(name)[:100]
 
 
 def _setting(optimizer, name: str) -> float | None:
@@ -683,8 +752,23 @@ class WatchSession:
         else:
             missing = summary.get("rewind_point_not_taken") or "none was saved"
         return trials.TrialData(
-            bundle=saved, rewind=rewind, rewind_missing=missing, optimizer=optimizer
+            bundle=saved,
+            rewind=rewind,
+            rewind_missing=missing,
+            optimizer=optimizer,
+            recorded_losses=self._recorded_losses(rewind),
         )
+
+    def _recorded_losses(self, rewind) -> dict[int, float]:
+        """The recorded loss of each step the trials may re-run, by step: the
+        rewind point's steps and the journal's flight window (the incident's
+        step), which the no-remedy re-run must reproduce."""
+        losses = dict(rewind.recorded_losses()) if rewind is not None else {}
+        steps, window = self.journal.flight_window()
+        column = self.recorder.schema.header_index("loss")
+        for step, vector in zip(steps.tolist(), window, strict=True):
+            losses.setdefault(int(step), float(vector[column]))
+        return losses
 
     def _bundle_to_replay(self) -> Callable[[], bundle.ReproBundle] | None:
         """After training: the incident's exact bundle, whose step the replay

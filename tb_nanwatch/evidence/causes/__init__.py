@@ -8,17 +8,24 @@ applies). A rule's test is a verdict test, a sign test, or both:
 * **verdict** (:func:`diagnose`): the one cause of a run's incident or
   explosion, from the fixed vocabulary :data:`CAUSE_IDS`. Verdict tests are
   tried in table order (``nonfinite_weights`` first, ``explosion`` only
-  without an incident, ``unknown`` last: what was seen, no guess); the first
-  that holds wins::
+  without an incident, ``unknown`` last: what was seen, no guess, only when
+  no other holds); every one that holds is a candidate (a ``decisive`` rule
+  holding first is the only one). The remedies are every candidate's (the
+  first candidate's first), so the trials try them all; once trials ran, the
+  verdict is the candidate whose remedy fixed the run, else the first::
 
       {"id": str, "summary": str, "evidence": {name: number | str | list},
        "remedies": [{"id": str, "text": str, "trial": {...} | None}, ...],
-       "remedy_ids": [remedy id, ...]}
+       "remedy_ids": [remedy id, ...], "candidates": [cause id, ...],
+       "decided_by": "trials" | "rule_order", "verdict": str,
+       "fixed": bool | None}
 
   ranked: the record's remedy trials first put the fixes that keep the loss
   going down, then the other fixes, the remedies not tried, and last those
   that were tried and did not help (:func:`tb_nanwatch.evidence.trials.rank`;
-  a ``trial`` is :func:`tb_nanwatch.evidence.trials.trial_json`);
+  a ``trial`` is :func:`tb_nanwatch.evidence.trials.trial_json`). ``verdict``
+  says what the trials showed ("" without trials; "Untested: ..." when none
+  could run), and ends ``summary``;
 
 * **sign** (:func:`compute_hints`): a hint on the incident card, given only
   when the data supports it, every sign that holds, in table order::
@@ -49,7 +56,14 @@ before them):
 * ``"has_attention": bool``, ``"layer_classes": [class name, ...]``: whether
   a layer is an attention layer, and the layers' class names;
 * ``"input_dtypes": {input name: dtype}``: integer inputs are ids, not values
-  whose scale matters.
+  whose scale matters;
+* ``"loss_name": str``: the loss's class or function name (a classification
+  loss's whole-number targets are class ids);
+* ``"first_layer_class": str``, ``"normalizes_inputs": bool``: the first
+  layer after the inputs (a Normalization: the inputs are not told to be
+  normalised again);
+* ``"output_activations": [str | None, ...]``: each output layer's final
+  activation (a softmax/sigmoid: none is added).
 
 Pure Python and NumPy, no TensorFlow.
 """
@@ -73,6 +87,7 @@ from tb_nanwatch.evidence.recorded import Record
 from tb_nanwatch.evidence.remedies import Facts
 
 __all__ = [
+    "VERDICT_KEYS",
     "CAUSE_IDS",
     "CAUSE_LABELS",
     "RULES",
@@ -116,6 +131,9 @@ class Rule:
     remedies: tuple[Offer, ...] = ()
     needs_incident: bool | None = True  # True: only with an incident; False: only without
     title: str | None = None  # the sign's title when the entry is a verdict too
+    # When this verdict holds first, no other rule is a candidate (a model
+    # broken before training, a batch that brought the NaN).
+    decisive: bool = False
 
     @property
     def kind(self) -> str:
@@ -158,6 +176,14 @@ def _no_zero_gradient(f: Facts) -> bool:
     return not f.evidence.get("zero_gradients")
 
 
+def _lr_change(f: Facts) -> bool:
+    return f.evidence.get("lr_change") is not None
+
+
+def _reads_probabilities_from_raw_outputs(f: Facts) -> bool:
+    return f.loss_from_logits is False and not f.outputs_end_in_probabilities
+
+
 # -- the table ---------------------------------------------------------------------
 
 RULES: tuple[Rule, ...] = (
@@ -167,6 +193,7 @@ RULES: tuple[Rule, ...] = (
         verdict=data.nonfinite_weights,
         remedies=(Offer("fix_weights"), Offer("fix_code")),
         needs_incident=None,  # a broken start outranks everything, incident or not
+        decisive=True,
     ),
     Rule(
         "input_data",
@@ -177,6 +204,13 @@ RULES: tuple[Rule, ...] = (
             Offer("normalize_inputs", when=_inf_in_input),
             Offer("drop_bad_rows"),
         ),
+        decisive=True,
+    ),
+    Rule(
+        "logits_as_probabilities",
+        "Loss reads probabilities, got raw logits",
+        verdict=math_errors.logits_as_probabilities,
+        remedies=(Offer("output_activation"), Offer("from_logits")),
     ),
     Rule(
         "unscaled_data",
@@ -194,6 +228,7 @@ RULES: tuple[Rule, ...] = (
         "Overflow after growth",
         verdict=growth.growth_overflow,
         remedies=(
+            Offer("fix_schedule", when=_lr_change),
             Offer("lower_lr"),
             Offer("clip_gradients"),
             Offer("lr_warmup"),
@@ -220,6 +255,7 @@ RULES: tuple[Rule, ...] = (
         verdict=math_errors.loss_math,
         remedies=(
             Offer("from_logits", when=_saturated_or_probabilities),
+            Offer("output_activation", when=_reads_probabilities_from_raw_outputs),
             Offer("clip_predictions"),
             Offer("from_logits"),
             Offer("lower_lr", when=_saturated_or_probabilities),
@@ -253,7 +289,7 @@ RULES: tuple[Rule, ...] = (
         sign=growth.explosion_sign,
         title="Training is exploding",
         remedies=(
-            Offer("fix_schedule", when=lambda f: f.evidence.get("lr_change") is not None),
+            Offer("fix_schedule", when=_lr_change),
             Offer("lower_lr"),
             Offer("clip_gradients"),
             Offer("lr_warmup"),
@@ -295,18 +331,31 @@ CAUSE_IDS = tuple(CAUSE_LABELS)
 def diagnose(rec: Record, batch: object = None) -> dict | None:
     """The cause of the run's incident or explosion, or None for a healthy run.
 
+    Every verdict rule whose evidence holds is a candidate (``unknown`` only
+    when none is; a decisive rule holding first is the only one); the
+    remedies are those of every candidate, the first candidate's first.
+    Once remedy trials ran (``rec.trials``), the verdict is the candidate
+    whose remedy fixed the run; when no trial could run, the rule order
+    decides and the verdict says it is untested (``decided_by``, ``verdict``).
+
     ``batch``: the offending batch's arrays when at hand (a list, or a dict
     such as a bundle's ``batch/<i>`` arrays): ``input_data`` then names the
     sample rows.
     """
     case = Case(rec, batch)
+    found: list[tuple[Rule, Finding]] = []
     for rule in RULES:
         if rule.verdict is None or not _runs(rule, case):
             continue
+        if rule.id == "unknown" and found:
+            continue
         finding = rule.verdict(case)
-        if finding is not None:
-            return _verdict(rule, case, finding)
-    return None
+        if finding is None:
+            continue
+        found.append((rule, finding))
+        if found[0][0].decisive:
+            break
+    return _verdict(case, found) if found else None
 
 
 def compute_hints(rec: Record) -> list[dict]:
@@ -364,11 +413,10 @@ def _runs(rule: Rule, case: Case) -> bool:
     return rule.needs_incident is None or rule.needs_incident == (case.rec.incident is not None)
 
 
-def _verdict(rule: Rule, case: Case, finding: Finding) -> dict:
-    evidence = clean_evidence(finding.evidence)
-    facts = Facts(
+def _facts(rule: Rule, case: Case, finding: Finding) -> Facts:
+    return Facts(
         cause=rule.id,
-        evidence=evidence,
+        evidence=clean_evidence(finding.evidence),
         summary=case.rec.summary,
         mixed_precision=case.mixed_precision(),
         outputs_probabilities=case.outputs_probabilities(),
@@ -376,19 +424,90 @@ def _verdict(rule: Rule, case: Case, finding: Finding) -> dict:
         scales=case.data_scales(),
         layers=tuple(str(e.layer) for e in case.rec.schema.find(kind="activation")),
     )
-    ids = trials.rank(offered(rule, facts), case.rec.trials)
+
+
+# The keys of a verdict (see :func:`diagnose`).
+VERDICT_KEYS = frozenset(
+    {
+        "id",
+        "summary",
+        "evidence",
+        "remedies",
+        "remedy_ids",
+        "candidates",
+        "decided_by",
+        "verdict",
+        "fixed",
+    }
+)
+# Trial outcomes that ran the remedy (the others, not_tried and cannot_verify,
+# say nothing of it).
+RAN = ("fixed", "not_fixed")
+
+
+def _verdict(case: Case, found: list[tuple[Rule, Finding]]) -> dict:
+    candidates = [(rule, finding, _facts(rule, case, finding)) for rule, finding in found]
+    # Each remedy once, worded by the first candidate that offers it.
+    owner: dict[str, Facts] = {}
+    offers: dict[str, list[str]] = {}
+    for rule, _, facts in candidates:
+        offers[rule.id] = offered(rule, facts)
+        for remedy in offers[rule.id]:
+            owner.setdefault(remedy, facts)
     tried = trials.by_remedy(case.rec.trials)
+    ids = trials.rank(list(owner), case.rec.trials)
+    ran = [i for i in ids if i in tried and tried[i].outcome in RAN]
+    fixed = [i for i in ran if tried[i].outcome == "fixed"]
+    chosen = candidates[0]
+    if fixed:
+        chosen = next(c for c in candidates if fixed[0] in offers[c[0].id])
+        decided_by = "trials"
+    else:
+        decided_by = "trials" if ran else "rule_order"
+    rule, finding, facts = chosen
+    verdict = _verdict_text(rule, [tried[i] for i in ran], fixed, bool(case.rec.trials))
+    summary = finding.text + (f" {verdict}" if verdict else "")
     return {
         "id": rule.id,
-        "summary": finding.text,
-        "evidence": evidence,
+        "summary": summary,
+        "evidence": dict(facts.evidence),
         "remedies": [
             {
                 "id": i,
-                "text": remedies.CATALOGUE[i].text(facts),
+                "text": remedies.CATALOGUE[i].text(owner[i]),
                 "trial": trials.trial_json(tried[i]) if i in tried else None,
             }
             for i in ids
         ],
         "remedy_ids": ids,
+        "candidates": [c[0].id for c in candidates],
+        "decided_by": decided_by,
+        "verdict": verdict,
+        "fixed": bool(fixed) if ran else None,
     }
+
+
+# The most trials the verdict's sentence quotes.
+MAX_QUOTED_TRIALS = 4
+
+
+def _verdict_text(rule: Rule, ran: list[trials.Trial], fixed: list[str], any_trial: bool) -> str:
+    """What the trials showed, in a sentence ("" without a trial file)."""
+    if not ran:
+        return (
+            "Untested: no remedy trial could run; the rule order named the cause."
+            if any_trial
+            else ""
+        )
+    quoted = []
+    for trial in ran[:MAX_QUOTED_TRIALS]:
+        setting = trial.setting or remedies.REMEDY_LABELS.get(trial.remedy, trial.remedy)
+        if trial.outcome == "fixed":
+            still = " but the loss stopped going down" if trial.learning is False else ""
+            quoted.append(f"{setting} kept the run finite{still}")
+        else:
+            quoted.append(f"{setting} did not")
+    shown = "; ".join(quoted)
+    if not fixed:
+        return f"No remedy tried fixed the run: {shown}."
+    return f"Decided by the trials ({rule.label.lower()}): {shown}."

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from tb_nanwatch.evidence import diagnosis
+from tb_nanwatch.evidence import diagnosis, remedies
 from tb_nanwatch.evidence.recorded import Record, Series
 from tb_nanwatch.evidence.remedies import DataScale
 from tb_nanwatch.evidence.schema import Entry, Schema
@@ -20,6 +20,8 @@ from tb_nanwatch.evidence.schema import Entry, Schema
 # A final sigmoid/softmax whose |logit| is above this outputs exactly 0 or 1 in float32.
 SATURATED_LOGIT = 15.0
 MAX_LISTED = 10
+# A learning rate that rises this many times from one step to the next jumped.
+RATE_JUMP = 10.0
 MAGNITUDE_KINDS = ("input", "activation", "logits")
 # Input names that say nothing: such an input is "the model input".
 GENERIC_INPUT_NAMES = ("input", "inputs")
@@ -109,8 +111,17 @@ class Case:
             high = max(float(v[entry.index("max")]) for v in finite)
             if math.isfinite(low) and math.isfinite(high):
                 words = tensor_words(entry.tensor)
-                scales.append(DataScale(str(entry.layer), words, low, high, is_target(entry)))
+                scale = DataScale(str(entry.layer), words, low, high, is_target(entry))
+                scales.append(dataclasses.replace(scale, not_scale=self._not_scale(scale)))
         return tuple(scales)
+
+    def _not_scale(self, scale: DataScale) -> str | None:
+        """Why a recorded range is no evidence of the data's scale, or None."""
+        summary = self.rec.summary
+        if scale.target:
+            labels = remedies.classification_loss(summary) or self.outputs_probabilities()
+            return "class ids" if labels and scale.integral else None
+        return "normalised by the model" if remedies.normalizes_inputs(summary) else None
 
     def first_loss(self) -> tuple[int | None, float | None]:
         """(the first recorded step, its loss): from the series, else the flight window."""
@@ -121,6 +132,30 @@ class Case:
         if flight is not None and flight.matrix.shape[0]:
             return flight.first_step, self.header("loss", flight.first_step)
         return None, None
+
+    def rate_jump(self) -> dict | None:
+        """The last upward learning-rate jump of :data:`RATE_JUMP` x or more
+        from one recorded step to the next, up to the incident (or the
+        explosion onset): ``{"step", "from", "to"}``, or None."""
+        end = self.step
+        if end is None and isinstance((self.rec.explosion or {}).get("step"), int):
+            end = self.rec.explosion["step"]
+        steps, rates = [], []
+        series = self.rec.series
+        if series is not None and len(series) and "lr" in series.columns:
+            steps, rates = series.steps.tolist(), series.columns["lr"].tolist()
+        elif self.rec.flight is not None and self.rec.flight.matrix.shape[0]:
+            steps = list(self.rec.flight.steps)
+            rates = [self.header("lr", s) for s in steps]
+        if end is not None:
+            kept = [(s, r) for s, r in zip(steps, rates, strict=True) if s <= end]
+            steps, rates = [s for s, _ in kept], [r for _, r in kept]
+        jumps = [
+            j
+            for j in diagnosis.lr_jumps(steps, [math.nan if r is None else r for r in rates])
+            if j["to"] >= RATE_JUMP * j["from"]
+        ]
+        return jumps[-1] if jumps else None
 
     def mixed_precision(self) -> bool:
         """A float16 Keras policy (or, not recorded, a loss scale at the step)."""

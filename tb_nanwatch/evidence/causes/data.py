@@ -17,6 +17,7 @@ from tb_nanwatch.evidence.causes.case import (
     weights_at_start,
 )
 from tb_nanwatch.evidence.causes.growth import growth_candidates
+from tb_nanwatch.evidence.causes.math_errors import forward_math
 from tb_nanwatch.evidence.remedies import fmt
 
 # Unscaled data: the loss at the first recorded step is at least this (or
@@ -133,6 +134,30 @@ def input_nonfinite(case: Case) -> Finding | None:
     )
 
 
+# Ops whose non-finite output is a math error at a bad input, not an overflow.
+MATH_OPS = ("log", "sqrt", "rsqrt", "div", "pow", "xlogy", "acos", "asin", "atanh", "lgamma")
+
+
+def _specific_math(case: Case) -> bool:
+    """The incident is a math error of its own: a layer that made NaN/Inf
+    from ordinary inputs (the forward-math verdict), or an op the replay
+    named that is a log, sqrt, division or power."""
+    op = case.incident.get("op")
+    kind = op.get("type") if isinstance(op, dict) else None
+    if isinstance(kind, str) and any(word in kind.lower() for word in MATH_OPS):
+        return True
+    return case.incident.get("phase") == "forward" and forward_math(case) is not None
+
+
+def _learning(case: Case) -> bool:
+    """The loss fell steadily over the recorded steps before the incident."""
+    series = case.rec.series
+    if series is None or not len(series) or "loss" not in series.columns:
+        return False
+    losses = series.columns["loss"][series.steps < case.step][-diagnosis.STEADY_STEPS :]
+    return diagnosis.falling_steadily([float(v) for v in losses])
+
+
 def unscaled_data(case: Case) -> Finding | None:
     """A model input or target far from unit scale, a loss huge from the first
     recorded step, and an overflow soon after: the data's scale, not the rate."""
@@ -140,8 +165,13 @@ def unscaled_data(case: Case) -> Finding | None:
     first_step, loss = case.first_loss()
     if not far or first_step is None or loss is None or math.isnan(loss) or loss < HUGE_LOSS:
         return None
-    if case.step is None or (case.step - first_step > EARLY_STEPS and not growth_candidates(case)):
+    if case.step is None:
         return None
+    grew = growth_candidates(case)
+    if not grew and (case.step - first_step > EARLY_STEPS or _learning(case)):
+        return None  # no overshoot: late, or the loss was falling steadily until the incident
+    if case.rate_jump() is not None or _specific_math(case):
+        return None  # a recorded rate jump, a math error in one op: their own verdicts
     far.sort(key=lambda s: -s.max_abs)
     inputs = [s for s in far if not s.target]
     targets = [s for s in far if s.target]

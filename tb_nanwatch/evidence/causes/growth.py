@@ -55,24 +55,42 @@ def growth_candidates(case: Case) -> list[dict]:
     factor = case.rec.summary.get("explosion_factor", default)
     factor = factor if isinstance(factor, (int, float)) and factor > 10 else default
     found: list[dict] = []
+    # The targets' largest |x| (outputs growing toward it while the loss falls
+    # steadily are a regression learning its scale, as in the run's own rule).
+    targets = [s.max_abs for s in case.data_scales() if s.target]
+    target_abs = max(targets) if targets else math.nan
     series = case.rec.series
     if series is not None and case.step is not None and len(series):
         keep = series.steps <= case.step
         steps = series.steps[keep][-SERIES_REPLAY:]
         detector = diagnosis.ExplosionDetector(SERIES_SIGNALS, factor=factor)
+        learning = diagnosis.LearningScale(case.rec.schema)
         columns = _series_signals(series, keep)
+        losses = series.columns.get("loss")
+        losses = losses[keep][-len(steps) :] if losses is not None else None
         for row, step in enumerate(steps):
+            if losses is not None:
+                _learned(detector, learning.step(float(losses[row]), target_abs))
             detector.update(int(step), columns[row - len(steps)])
         found += detector.pending()
     flight = case.rec.flight
     if flight is not None and case.step is not None:
         reader = diagnosis.SignalReader(flight.schema)
         detector = diagnosis.ExplosionDetector(reader.signals, factor=factor)
+        learning = diagnosis.LearningScale(flight.schema)
+        loss = flight.schema.header_index("loss")
         for step in flight.steps:
             if step <= case.step:
-                detector.update(step, reader.values(flight.vector(step)))
+                vector = flight.vector(step)
+                _learned(detector, learning.update(vector, float(vector[loss])))
+                detector.update(step, reader.values(vector))
         found += detector.pending()
     return sorted(found, key=lambda o: o["step"])
+
+
+def _learned(detector: diagnosis.ExplosionDetector, scale: float | None) -> None:
+    if scale is not None:
+        detector.raise_scale(scale)
 
 
 def _series_signals(series: Series, keep: np.ndarray) -> np.ndarray:
@@ -96,10 +114,18 @@ def growth_overflow(case: Case) -> Finding | None:
     grown = signal_words + (f" of {onset['layer']}" if onset.get("layer") else "")
     entry, largest = largest_tensor(case)
     layer = entry_name(entry) if entry is not None else None
+    jump = case.rate_jump()
+    jump_text = (
+        f"; the learning rate jumped from {fmt(jump['from'])} to {fmt(jump['to'])} at step "
+        f"{jump['step']}"
+        if jump
+        else ""
+    )
     return Finding(
         f"The {grown} grew {fmt(onset['factor'])}x from step {onset['step']} on, until "
         f"the first non-finite value ({case.text()}) overflowed: training was exploding"
         + (f"; {output_words(entry)} had already reached {fmt(largest)}" if entry else "")
+        + jump_text
         + ".",
         {
             "onset_step": onset["step"],
@@ -109,7 +135,9 @@ def growth_overflow(case: Case) -> Finding | None:
             "first_nonfinite_step": case.step,
             "largest_layer": layer,
             "largest_max_abs": largest,
-            "lr": case.header("lr", onset["step"]),
+            "lr": jump["to"] if jump else case.header("lr", onset["step"]),
+            "lr_before": jump["from"] if jump else None,
+            "lr_change": jump,
         },
     )
 

@@ -1,7 +1,8 @@
 """Rules on math errors: a layer, the loss or a derivative made the first
 NaN/Inf from finite inputs; and ``unknown``, what was seen when no rule fits.
 
-Verdicts ``forward_math``, ``loss_math``, ``backward_math``, ``unknown``; the
+Verdicts ``logits_as_probabilities`` (raw logits fed to a loss that reads
+probabilities), ``forward_math``, ``loss_math``, ``backward_math``, ``unknown``; the
 card's signs of a saturated output and of a finite forward pass with a
 non-finite gradient.
 """
@@ -12,7 +13,7 @@ import math
 
 import numpy as np
 
-from tb_nanwatch.evidence import diagnosis
+from tb_nanwatch.evidence import diagnosis, remedies
 from tb_nanwatch.evidence.causes.case import (
     SATURATED_LOGIT,
     Case,
@@ -23,6 +24,7 @@ from tb_nanwatch.evidence.causes.case import (
     max_abs,
     predecessors,
     tensor_words,
+    text_or_none,
     weights_before,
 )
 from tb_nanwatch.evidence.remedies import fmt
@@ -247,5 +249,69 @@ def backward_origin(case: Case) -> Finding | None:
             "loss": float(loss),
             "output_min": output_min,
             "output_max": output_max,
+        },
+    )
+
+
+def _first_outputs(case: Case) -> tuple[int | None, float | None, float | None]:
+    """(the first recorded step, its smallest output, its largest output):
+    the flight window's model outputs, else the series' logit range."""
+    flight = case.rec.flight
+    entries = [e for e in case.rec.schema.find(kind="logits") if not e.before_final_activation]
+    if flight is not None and flight.matrix.shape[0] and entries:
+        vector = flight.vector(flight.first_step)
+        finite = [e for e in entries if not diagnosis.entry_nonfinite(vector, e)]
+        if finite:
+            low = min(float(vector[e.index("min")]) for e in finite)
+            high = max(float(vector[e.index("max")]) for e in finite)
+            return flight.first_step, low, high
+    series = case.rec.series
+    if series is not None and len(series) and {"logit_min", "logit_max"} <= set(series.columns):
+        low, high = (float(series.columns[k][0]) for k in ("logit_min", "logit_max"))
+        if math.isfinite(low) and math.isfinite(high):
+            return int(series.steps[0]), low, high
+    return None, None, None
+
+
+def _id_targets(case: Case) -> bool:
+    """Every recorded target looks like class ids (whole numbers, none negative)."""
+    targets = [s for s in case.data_scales() if s.target]
+    return bool(targets) and all(s.integral for s in targets)
+
+
+def logits_as_probabilities(case: Case) -> Finding | None:
+    """The loss reads probabilities (``from_logits=False``, or a loss named
+    for labels), the outputs end in no sigmoid/softmax, and the first step's
+    outputs are no probabilities (negative or above 1): the log of a raw
+    logit."""
+    summary = case.rec.summary
+    from_logits = summary.get("loss_from_logits")
+    reads_probabilities = from_logits is False or (
+        from_logits is None
+        and case.incident.get("phase") == "loss"
+        and not remedies.regression_loss(summary)
+        and (remedies.classification_loss(summary) or _id_targets(case))
+    )
+    if not reads_probabilities or case.incident.get("phase") == "input":
+        return None
+    if case.outputs_probabilities() or remedies.outputs_activated(summary):
+        return None
+    first_step, low, high = _first_outputs(case)
+    if low is None or high is None or (low >= 0.0 and high <= 1.0):
+        return None
+    named = from_logits is False or remedies.classification_loss(summary)
+    if not named and low >= 0.0:
+        return None  # a loss known only by its id-like targets: a log of a negative output
+    return Finding(
+        f"The loss reads probabilities, but the model's outputs are raw logits: they ranged "
+        f"{fmt(low)} to {fmt(high)} at step {first_step}, no sigmoid/softmax after them, until "
+        f"{case.text()}: the log of a negative or zero 'probability' is NaN or -Inf.",
+        {
+            "output_min": low,
+            "output_max": high,
+            "first_step": first_step,
+            "from_logits": from_logits if isinstance(from_logits, bool) else "not recorded",
+            "loss": text_or_none(summary.get("loss_name")),
+            "step": case.step,
         },
     )

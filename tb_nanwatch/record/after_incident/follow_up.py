@@ -123,4 +123,6 @@ def _failed(failed: Callable[[str, Exception], None] | None, stage: str, error: 
 def print_tried(found: TrialList) -> None:
     """The ranked "Tried" lines of a watched run, on stderr."""
     lines = "\n".join(f"  {line}" for line in remedy_trials.tried_lines(found))
-    print(f"\nNanWatch remedies, tried on a copy of the model:\n{lines}", file=sys.stderr)
+    print(
+        f"\nNanWatch remedies, tried on a re-run of the recorded steps:\n{lines}", file=sys.stderr
+    )

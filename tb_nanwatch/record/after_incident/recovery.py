@@ -39,6 +39,7 @@ from tb_nanwatch.record.after_incident import follow_up, live_remedies, trials
 from tb_nanwatch.record.after_incident.follow_up import TrialInput
 from tb_nanwatch.record.after_incident.live_remedies import LiveChange, NotLive
 from tb_nanwatch.record.after_incident.rewind_points import ONSET_MARGIN, Snapshot
+from tb_nanwatch.record.after_incident.trial_replica import model_variables
 
 
 class Recovery:
@@ -294,6 +295,10 @@ class Recovery:
         reasons = []
         for remedy in evidence_trials.rank(list(by_id), self.trials):
             trial = by_id[remedy]
+            if trial.outcome == "cannot_verify":
+                # Not shown to fail either: said as such, never "did not help".
+                reasons.append(f"{remedy}: {evidence_trials.trial_text(trial)}")
+                continue
             if trial.outcome != "fixed" or remedy in self._applied:
                 continue
             if not live_remedies.is_live(remedy):
@@ -349,7 +354,9 @@ def restore_snapshot(model, optimizer, snapshot: Snapshot) -> None:
         if o is not None
     }
     variables = [v for v in getattr(optimizer, "variables", [])]
-    pairs = _matched(list(model.weights), snapshot.weights)
+    pairs = _matched(model_variables(model), snapshot.weights)
+    if len(pairs) != len(snapshot.weights):  # a snapshot of the weights alone
+        pairs = _matched(list(model.weights), snapshot.weights)
     if len(pairs) != len(snapshot.weights):
         raise ValueError("the rewind point's weights are not the model's (other variable paths)")
     pairs += [(v, a) for v, a in _matched(variables, snapshot.optimizer) if id(v) not in rates]

@@ -1,15 +1,19 @@
 """Rewind points: a state from before an incident and the batches since.
 
 Every ``rewind_every`` steps the session takes a host snapshot of every model
-variable and every optimizer variable (:class:`RewindRing`; the last two are
+variable (``model.variables``: the weights and, in Keras 3, the SeedGenerator
+states that drive dropout and noise) and every optimizer variable (:class:`RewindRing`; the last two are
 kept, plus the state before the first step until two later ones exist); the
 compiled step keeps the batches of the last steps on the device
 (:class:`~tb_nanwatch.record.in_step.batch_ring.BatchRing`, read only when a point is
 saved). At an incident or a confirmed explosion the newest snapshot from
 before it (before the explosion's onset, less a margin) and the batches from
 it through the incident go to ``<run dir>/repro/rewind/`` (``rewind.npz`` and
-``rewind.json``): a :class:`RewindPoint`, from which the remedy trials re-run
-the steps (:func:`load_rewind_point`, also on a copied run dir).
+``rewind.json``, with each step's learning rate and recorded loss): a
+:class:`RewindPoint`, from which the remedy trials re-run the steps
+(:func:`load_rewind_point`, also on a copied run dir). A point saved for an
+explosion is saved again at a later incident with the batches through it
+(while the ring still holds them), so the trials re-run the whole span.
 
 Memory: weights + optimizer state, twice, plus the batch ring, at most
 ``rewind_memory_mb``; above it no snapshot is kept and ``not_taken_why`` says
@@ -63,8 +67,9 @@ class RewindPoint:
 
     ``batches[i]`` is the flat batch of step ``step + i`` (``structure``
     rebuilds it, as a reproduction bundle's); ``learning_rates[i]`` its
-    learning rate when known. ``info``: where it came from (``through_step``,
-    ``onset``, ``before_onset``, ``optimizer_built``, ...).
+    learning rate when known, ``losses[i]`` its recorded loss (None: not
+    known). ``info``: where it came from (``through_step``, ``onset``,
+    ``before_onset``, ``optimizer_built``, ...).
     """
 
     step: int
@@ -74,6 +79,11 @@ class RewindPoint:
     structure: Any
     learning_rates: list[float | None]
     info: dict = dataclasses.field(default_factory=dict)
+    losses: list[float | None] = dataclasses.field(default_factory=list)
+
+    def recorded_losses(self) -> dict[int, float]:
+        """The recorded loss of each of its steps that has one, by step."""
+        return {self.step + i: v for i, v in enumerate(self.losses) if v is not None}
 
 
 def ring_slots(every: int, steps_per_execution: int = 1) -> int:
@@ -114,6 +124,7 @@ def save_rewind_point(run_dir: str, point: RewindPoint) -> str:
         "batch_size": len(point.batches[0]) if point.batches else 0,
         "structure": jsonable_structure(point.structure),
         "learning_rates": [None if r is None else float(r) for r in point.learning_rates],
+        "losses": [_jsonable_loss(v) for v in point.losses],
         "weights": list(point.weights),
         "optimizer": list(point.optimizer),
         "arrays": declared,
@@ -151,7 +162,33 @@ def load_rewind_point(path: str, max_bytes: int = DEFAULT_MAX_LOAD_BYTES) -> Rew
         structure=meta.get("structure"),
         learning_rates=list(meta.get("learning_rates") or [None] * steps),
         info=dict(meta.get("info") or {}),
+        losses=_read_losses(meta.get("losses"), steps),
     )
+
+
+def _jsonable_loss(value: float | None) -> float | str | None:
+    """A loss for rewind.json: a number, ``"nan"``/``"inf"``/``"-inf"``, or None."""
+    if value is None:
+        return None
+    value = float(value)
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def _read_losses(values: object, steps: int) -> list[float | None]:
+    """The recorded losses of rewind.json (an older file has none: all None)."""
+    if not isinstance(values, list) or len(values) != steps:
+        return [None] * steps
+    out: list[float | None] = []
+    for value in values:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append(float(value))
+        elif value in ("nan", "inf", "-inf"):
+            out.append(float(value))
+        else:
+            out.append(None)
+    return out
 
 
 def _declared_arrays(meta: dict, max_bytes: int) -> dict[str, tuple[np.dtype, tuple, int]]:
@@ -307,6 +344,12 @@ class RewindRing:
         self.tried = False  # whether a save was attempted (one rewind point a run)
         self.next_step = self.every
         self._rates: dict[int, float] = {}
+        self._losses: dict[int, float | None] = {}
+        self._saved_through: int | None = None
+        self._saved_onset: int | None = None
+        self._saved_step: int | None = None
+        self._before_onset: bool | None = None
+        self._loss_index: int | None = None
         self._lr_index: int | None = None
         self._initial_done = False
 
@@ -338,7 +381,7 @@ class RewindRing:
         if ring is None or (ring.not_kept_why and not ring.created):
             self.give_up(ring.not_kept_why if ring else "no batch ring on the device", device)
             return
-        weights = list(model.weights)
+        weights = _model_variables(model)
         built = optimizer is not None and bool(getattr(optimizer, "built", False))
         slots = _optimizer_variables(optimizer) if built else []
         state = 2 * (_nbytes(weights) + _nbytes(slots))
@@ -367,12 +410,15 @@ class RewindRing:
         warnings.warn(f"NanWatch keeps no rewind points: {why}", RuntimeWarning, stacklevel=3)
 
     def note_step(self, step: int, vector: np.ndarray, schema) -> None:
-        """Keeps step ``step``'s learning rate (from its statistics vector)."""
+        """Keeps step ``step``'s learning rate and loss (from its statistics vector)."""
         if self._lr_index is None:
             self._lr_index = schema.header_index("lr")
+            self._loss_index = schema.header_index("loss")
         rate = float(vector[self._lr_index])
         self._rates[step] = rate if math.isfinite(rate) else None
         self._rates.pop(step - self.slots, None)
+        self._losses[step] = float(vector[self._loss_index])
+        self._losses.pop(step - self.slots, None)
 
     # -- saving ------------------------------------------------------------------------
 
@@ -381,11 +427,37 @@ class RewindRing:
         or the step that confirmed an explosion whose onset is ``onset``);
         returns its relative path. Raises :class:`RewindNotTaken` saying why not."""
         if self.saved is not None:
+            if self._saved_through is not None and through > self._saved_through:
+                self._extend(run_dir, device, through)
             return self.saved
         self.tried = True
         if self.not_taken_why is not None:
             raise RewindNotTaken(self.not_taken_why)
         snapshot, before_onset = self._choose(through, onset)
+        self._write(run_dir, device, snapshot, through, onset, before_onset)
+        return self.saved
+
+    def _extend(self, run_dir: str, device, through: int) -> None:
+        """The saved point again, with the batches through ``through`` (a later
+        incident after an explosion), while its snapshot and the batches since
+        are still kept; else the saved one stays (never raises)."""
+        kept = [s for s in self.snapshots if s.step == self._saved_step]
+        if not kept or through >= kept[0].step + self.slots or self.not_taken_why is not None:
+            return
+        try:
+            self._write(run_dir, device, kept[0], through, self._saved_onset, self._before_onset)
+        except RewindNotTaken:
+            return  # the ring no longer holds the batches: the point saved first stays
+        except Exception as error:  # noqa: BLE001 - the point saved first stays
+            warnings.warn(
+                f"NanWatch kept the rewind point through step {self._saved_through}: {error!r}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _write(
+        self, run_dir: str, device, snapshot: Snapshot, through: int, onset, before_onset
+    ) -> None:
         try:
             batches = device.ring.read(snapshot.step, through)
         except RuntimeError as error:  # batch_ring.RingMiss
@@ -397,6 +469,7 @@ class RewindRing:
             batches=batches,
             structure=device.batch_structure,
             learning_rates=[self._rates.get(s) for s in range(snapshot.step, through + 1)],
+            losses=[self._losses.get(s) for s in range(snapshot.step, through + 1)],
             info={
                 "through_step": int(through),
                 "onset": onset,
@@ -406,7 +479,8 @@ class RewindRing:
             },
         )
         self.saved = save_rewind_point(run_dir, point)
-        return self.saved
+        self._saved_through, self._saved_onset = int(through), onset
+        self._saved_step, self._before_onset = snapshot.step, before_onset
 
     def _choose(self, through: int, onset: int | None) -> tuple[Snapshot, bool | None]:
         """The newest usable snapshot at or before the incident (before the
@@ -427,6 +501,14 @@ class RewindRing:
             f"no snapshot kept from before step {through} with its batches since "
             f"(snapshots every {self.every} steps; kept: {kept})"
         )
+
+
+def _model_variables(model) -> list:
+    """Every variable of the model: ``model.variables`` (Keras 3: the weights
+    and the SeedGenerator states), else its weights."""
+    found = getattr(model, "variables", None)
+    found = found() if callable(found) else found
+    return list(found if found is not None else model.weights)
 
 
 def _optimizer_variables(optimizer) -> list:

@@ -20,8 +20,9 @@ here:
   standard deviation, ``drop_nonfinite_rows`` leaves out every row holding NaN/Inf;
 * :class:`~tb_nanwatch.evidence.changes.Float32Policy`,
   :class:`~tb_nanwatch.evidence.changes.FromLogits`,
-  :class:`~tb_nanwatch.evidence.changes.ClipPredictions`: the replica's model
-  and loss (:mod:`tb_nanwatch.record.after_incident.trial_replica`).
+  :class:`~tb_nanwatch.evidence.changes.ClipPredictions`,
+  :class:`~tb_nanwatch.evidence.changes.OutputActivation` (the loss sees the
+  activation of the outputs): the replica's model and loss (:mod:`tb_nanwatch.record.after_incident.trial_replica`).
 """
 
 from __future__ import annotations
@@ -143,6 +144,15 @@ def _clip_predictions(change: changes.ClipPredictions, recorded: Recorded) -> li
     ]
 
 
+def _output_activation(change: changes.OutputActivation, recorded: Recorded) -> list[Variant]:
+    return [
+        Variant(
+            f"{change.activation} on the outputs before the loss",
+            output_activation=change.activation,
+        )
+    ]
+
+
 def _transformed(change: changes.DataTransform, recorded: Recorded) -> list[Variant]:
     return [_TRANSFORMS[change.transform](recorded)]
 
@@ -203,6 +213,7 @@ _VARIANTS: dict[type, Callable[..., list[Variant]]] = {
     changes.Float32Policy: _float32,
     changes.FromLogits: _from_logits,
     changes.ClipPredictions: _clip_predictions,
+    changes.OutputActivation: _output_activation,
 }
 _TRANSFORMS: dict[str, Callable[[Recorded], Variant]] = {
     "normalise_inputs": _normalise_inputs,

@@ -1,14 +1,29 @@
-"""The copy of the model a remedy trial trains, with the remedy applied.
+"""The run a remedy trial trains: the user's own model and optimizer, with the remedy applied.
 
-A :class:`Replica` is a clone of the trained model (``keras.models.clone_model``,
-recursively, so nested models are copied too) holding the recorded weights,
-with a fresh optimizer built from the recorded optimizer's config (never the
-user's optimizer object) and its recorded state, and the run's loss (a
-compiled model's own loss, or a custom loop's ``loss_fn``). A :class:`Variant`
-says what the remedy changes: the learning rate, the optimizer's config, the
-layers' dtype policy, the loss reading logits or clipped predictions, the
-batches. The trained model is never touched: only its config and weights are
-read.
+A :class:`Replica` trains **the user's model object itself** (every layer's
+state as trained: an adapted ``keras.layers.Normalization``, BatchNorm's
+moving statistics, custom layers, the ``SeedGenerator`` states that drive
+dropout and noise), with **the user's loss** (a compiled model's own
+``compute_loss``, or a custom loop's ``loss_fn``) and **the user's optimizer
+object** (its own class, a custom learning-rate schedule included), from the
+trial's :class:`Start` (the rewind point's or the bundle's state). A
+:class:`Variant` says what the remedy changes: the learning rate (each step's,
+through a rate variable swapped in for a schedule), optimizer settings
+(``clipnorm``, ``epsilon``: set on the optimizer and undone by
+:meth:`Replica.close`), the loss seeing the outputs clipped or through an
+activation, the batches.
+
+Two changes cannot run on the user's objects and use a copy of the model
+(``keras.models.clone_model`` with the trained values and a fresh optimizer
+from the recorded config), which the trial's setting says ("on a copy of the
+model"): the float32 dtype policy and the loss reading logits (the final
+sigmoid/softmax removed).
+
+:class:`TrainedState` copies every variable of the model (``model.variables``,
+seed states included, and its metrics' variables) and of the optimizer, and
+the optimizer's learning-rate object and settings, before the trials; the
+trials restore it after every trial and at the end, so the user's model and
+optimizer hold exactly their trained state afterwards.
 """
 
 from __future__ import annotations
@@ -30,6 +45,9 @@ _CROSSENTROPY = {
     "sparse_categorical_crossentropy": keras.losses.SparseCategoricalCrossentropy,
 }
 _PROBABILITY_ACTIVATIONS = ("sigmoid", "softmax")
+# The optimizer settings a trial may change (and TrainedState restores).
+_SETTINGS = ("clipnorm", "clipvalue", "global_clipnorm", "epsilon")
+COPY_NOTE = "on a copy of the model"
 
 
 class TrialSkipped(Exception):
@@ -41,11 +59,12 @@ class Variant:
     """What one trial changes; the defaults re-run the steps as recorded.
 
     ``rate``: the learning rate of each trial step from the recorded one
-    (``rate(step, recorded) -> rate``). ``optimizer``: changes to the
-    optimizer's config (``{"clipnorm": 1.0}``). ``clip_predictions``: the
-    range the loss sees the predictions clipped to (None: not clipped).
-    ``transform``: the batch a step trains on from the recorded one (None:
-    the step is left out).
+    (``rate(step, recorded) -> rate``). ``optimizer``: optimizer settings
+    (``{"clipnorm": 1.0}``). ``clip_predictions``: the range the loss sees the
+    predictions clipped to (None: not clipped). ``transform``: the batch a step
+    trains on from the recorded one (None: the step is left out).
+    ``output_activation``: the activation the loss sees the outputs through
+    (``"softmax"``, ``"sigmoid"``; None: the outputs as they are).
     """
 
     setting: str = "as recorded"
@@ -55,23 +74,31 @@ class Variant:
     from_logits: bool = False
     clip_predictions: tuple[float, float] | None = None
     transform: Callable[[list], list | None] | None = None
+    output_activation: str | None = None
+
+    @property
+    def needs_copy(self) -> bool:
+        """Whether the change cannot run on the user's model (a copy does)."""
+        return self.float32 or self.from_logits
 
 
 @dataclasses.dataclass
 class Start:
     """Where a trial starts.
 
-    ``weights``: recorded arrays by the trained model's variable paths: every
-    variable (``every_variable``, a rewind point) or the trainable ones (a
-    bundle). ``optimizer_state``: the optimizer's variables by path ({} when
-    not recorded: a fresh state). ``optimizer_config``: the optimizer's Keras
-    serialization.
+    ``weights``: recorded arrays by the trained model's variable paths (a
+    repeated path numbered ``<path>#1``, ...): every variable (``every_variable``,
+    a rewind point: ``model.variables``, seed states included, or in an older
+    point ``model.weights``) or the trainable ones (a bundle).
+    ``optimizer_state``: the optimizer's variables by path ({} when not
+    recorded: a fresh state). ``optimizer_config``: the optimizer's Keras
+    serialization, for a copy (None: from the optimizer object).
     """
 
     weights: dict[str, np.ndarray]
     every_variable: bool
     optimizer_state: dict[str, np.ndarray]
-    optimizer_config: dict
+    optimizer_config: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,36 +113,108 @@ class StepResult:
 
 
 class Replica:
-    """A trainable copy of ``model`` for one :class:`Variant`; see the module docstring."""
+    """One trial's run for one :class:`Variant`; see the module docstring.
+
+    ``optimizer``: the user's optimizer object (None or a dict, its Keras
+    serialization: a fresh one from it, when the object is not at hand).
+    :meth:`close` undoes what the trial set on the user's optimizer; the
+    variables are the caller's to restore (:class:`TrainedState`).
+    """
 
     def __init__(
-        self, model: keras.Model, loss_fn: Callable | None, start: Start, variant: Variant
+        self,
+        model: keras.Model,
+        loss_fn: Callable | None,
+        start: Start,
+        variant: Variant,
+        optimizer: Any = None,
     ) -> None:
-        self.model = clone(model, variant)
-        self.model.set_weights(model.get_weights())  # what no record holds (BN statistics)
-        sources = model.weights if start.every_variable else model.trainable_weights
-        targets = self.model.weights if start.every_variable else self.model.trainable_weights
-        for variable, value in match_arrays(start.weights, [v.path for v in sources], targets):
-            variable.assign(value)
-        self.optimizer = build_optimizer(start.optimizer_config, variant)
-        self.optimizer.build(self.model.trainable_variables)
-        restore_optimizer(self.optimizer, start.optimizer_state)
+        self._undo: list[Callable[[], None]] = []
+        self.copied = variant.needs_copy
+        config = start.optimizer_config
+        if isinstance(optimizer, dict):
+            config, optimizer = config or optimizer, None
+        if self.copied or optimizer is None:
+            if config is None and optimizer is not None:
+                config = optimizer_config(optimizer)
+            if config is None:
+                raise TrialSkipped("the optimizer is not known (record it with the bundle)")
+            self.model = clone(model, variant) if self.copied else model
+            if self.copied:
+                self.model.set_weights(model.get_weights())  # what no record holds
+            assign_start(model, self.model, start)
+            self.optimizer = build_optimizer(config, variant)
+            self.optimizer.build(self.model.trainable_variables)
+            restore_optimizer(self.optimizer, start.optimizer_state)
+        else:
+            self.model = model
+            assign_start(model, model, start)
+            self.optimizer = optimizer
+            if not getattr(optimizer, "built", True):
+                optimizer.build(model.trainable_variables)
+            if start.optimizer_state:
+                restore_optimizer(optimizer, start.optimizer_state)
+            else:
+                fresh_state(optimizer, model)
+            self._set_settings(variant)
         self.loss = trial_loss(model, self.model, loss_fn, variant)
-        self._step = tf.function(self._train_step, reduce_retracing=True)
+        inner = _inner(self.optimizer)
+        self.initial_rate = float(np.asarray(inner.learning_rate))
+        self._rate = self._rate_variable(inner)
+        # Compiled as the user's step is (XLA when fit's is), for the same numbers.
+        self._jit = getattr(model, "jit_compile", False) is True and not self.copied
+        self._step = tf.function(self._train_step, reduce_retracing=True, jit_compile=self._jit)
+        self._ran = False
+
+    def _set_settings(self, variant: Variant) -> None:
+        """The variant's optimizer settings on the user's optimizer (undone by close)."""
+        inner = _inner(self.optimizer)
+        for key, value in variant.optimizer:
+            if not hasattr(inner, key):
+                raise TrialSkipped(f"the optimizer has no {key}")
+            old = getattr(inner, key)
+            self._undo.append(lambda key=key, old=old: setattr(inner, key, old))
+            setattr(inner, key, value)
+
+    def _rate_variable(self, inner: keras.optimizers.Optimizer) -> Any:
+        """The variable the trial sets each step's rate on: the optimizer's own,
+        else (a schedule) one swapped in until :meth:`close`."""
+        original = getattr(inner, "_learning_rate", None)
+        if isinstance(original, keras.Variable):
+            return original
+        rate = keras.Variable(self.initial_rate, dtype="float32", trainable=False)
+        # Past the optimizer's tracker: the variable must not join its variables.
+        object.__setattr__(inner, "_learning_rate", rate)
+        self._undo.append(lambda: object.__setattr__(inner, "_learning_rate", original))
+        return rate
+
+    def close(self) -> None:
+        """Undoes what the trial set on the optimizer (settings, the rate)."""
+        while self._undo:
+            self._undo.pop()()
 
     @property
     def rate(self) -> float:
-        """The optimizer's learning rate now (a schedule's value at its iteration)."""
-        return float(_inner(self.optimizer).learning_rate)
+        """The optimizer's learning rate at the start (a schedule's value at its iteration)."""
+        return self.initial_rate
 
     def set_rate(self, rate: float) -> None:
-        _inner(self.optimizer).learning_rate.assign(rate)
+        self._rate.assign(rate)
 
     def run(self, batch: list) -> StepResult:
         """One training step on ``batch`` (``[x, y, sample_weight]``, y and
         sample_weight optional)."""
         x, y, sample_weight = (list(batch) + [None, None])[:3]
-        loss, norm, logits, finite = self._step(x, y, sample_weight)
+        try:
+            loss, norm, logits, finite = self._step(x, y, sample_weight)
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
+            if not self._jit or self._ran:
+                raise
+            # XLA cannot compile this step (it fails before it runs): without XLA.
+            self._jit = False
+            self._step = tf.function(self._train_step, reduce_retracing=True)
+            loss, norm, logits, finite = self._step(x, y, sample_weight)
+        self._ran = True
         return StepResult(float(loss), float(norm), float(logits), bool(finite))
 
     def _train_step(self, x, y, sample_weight):
@@ -141,6 +240,124 @@ class Replica:
 def _inner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
     """The optimizer that holds the learning rate (a LossScaleOptimizer's inner one)."""
     return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+# -- the user's state: kept before the trials, restored after each -------------------
+
+
+def model_variables(model: Any) -> list:
+    """Every variable of ``model``: ``model.variables`` (Keras 3: the weights
+    and the SeedGenerator states that drive dropout and noise), else its weights."""
+    found = getattr(model, "variables", None)
+    found = found() if callable(found) else found
+    return list(found if found is not None else model.weights)
+
+
+def optimizer_variables(optimizer: Any) -> list:
+    """Its variables (a property in Keras 3, a method in older optimizers)."""
+    if optimizer is None or isinstance(optimizer, dict):
+        return []
+    found = getattr(optimizer, "variables", [])
+    return list(found() if callable(found) else found)
+
+
+def keyed(variables: list) -> list[tuple[str, Any]]:
+    """Each variable with its key: its path, a repeated path numbered
+    ``<path>#1``, ... (as the rewind points' snapshots key them)."""
+    out, seen = [], set()
+    for v in variables:
+        path = getattr(v, "path", None)
+        name = path if isinstance(path, str) else v.name.split(":")[0]
+        key, n = name, 1
+        while key in seen:
+            key, n = f"{name}#{n}", n + 1
+        seen.add(key)
+        out.append((key, v))
+    return out
+
+
+class TrainedState:
+    """The trained state of the user's model and optimizer, on the host:
+    every variable (the model's, its metrics', the optimizer's), the
+    optimizer's learning-rate object and settings. :meth:`restore` puts it back."""
+
+    def __init__(self, model: Any, optimizer: Any) -> None:
+        variables = [*model_variables(model), *getattr(model, "metrics_variables", [])]
+        variables += optimizer_variables(optimizer)
+        seen: set[int] = set()
+        self.variables = [v for v in variables if not (id(v) in seen or seen.add(id(v)))]
+        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
+        holders = [] if optimizer is None or isinstance(optimizer, dict) else [optimizer]
+        if holders and _inner(optimizer) is not optimizer:
+            holders.append(_inner(optimizer))
+        self.attributes = [
+            (holder, name, getattr(holder, name))
+            for holder in holders
+            for name in ("_learning_rate", *_SETTINGS)
+            if hasattr(holder, name)
+        ]
+
+    def restore(self) -> None:
+        for holder, name, value in self.attributes:
+            if getattr(holder, name) is not value:
+                object.__setattr__(holder, name, value)
+        for variable, value in zip(self.variables, self.values, strict=True):
+            variable.assign(value)
+
+
+def assign_start(source: keras.Model, target: keras.Model, start: Start) -> None:
+    """``start``'s recorded arrays into ``target`` (``source`` itself, or its
+    copy), matched by the keys ``source``'s variables have, else by position
+    (a model rebuilt elsewhere names its variables differently): every
+    variable, else (an older rewind point) the weights, or the trainable ones
+    (a bundle)."""
+    if start.every_variable:
+        candidates = [(model_variables(source), model_variables(target))]
+        candidates.append((list(source.weights), list(target.weights)))
+    else:
+        candidates = [(list(source.trainable_weights), list(target.trainable_weights))]
+    errors = []
+    for sources, targets in candidates:
+        if len(sources) != len(targets):
+            errors.append(f"{len(targets)} variables for {len(sources)}")
+            continue
+        try:
+            pairs = match_arrays(start.weights, [key for key, _ in keyed(sources)], targets)
+        except ValueError as error:
+            errors.append(str(error))
+            continue
+        for variable, value in pairs:
+            variable.assign(value)
+        return
+    raise TrialSkipped(f"the recorded weights do not fit the model ({errors[-1]})")
+
+
+def fresh_state(optimizer: Any, model: keras.Model) -> None:
+    """The user's optimizer's variables as a fresh optimizer of its config has
+    them (a rewind point from before the first step recorded none); the
+    learning-rate variables keep theirs."""
+    rates = {id(getattr(o, "_learning_rate", None)) for o in (optimizer, _inner(optimizer))}
+    targets = [v for v in optimizer_variables(optimizer) if id(v) not in rates]
+    try:
+        fresh = build_optimizer(optimizer_config(optimizer), Variant())
+        fresh.build(model.trainable_variables)
+        fresh_rates = {id(getattr(o, "_learning_rate", None)) for o in (fresh, _inner(fresh))}
+        values = [v.numpy() for v in optimizer_variables(fresh) if id(v) not in fresh_rates]
+        shapes = [tuple(v.shape) for v in targets] == [np.shape(a) for a in values]
+    except Exception:  # noqa: BLE001 - an optimizer Keras cannot rebuild: zeros
+        values, shapes = [], False
+    if not shapes:
+        values = [np.zeros(tuple(v.shape), v.dtype) for v in targets]
+    for variable, value in zip(targets, values, strict=True):
+        variable.assign(value)
+
+
+def optimizer_config(optimizer: Any) -> dict:
+    """The optimizer's Keras serialization; TrialSkipped when it has none."""
+    try:
+        return keras.optimizers.serialize(optimizer)
+    except Exception as error:  # noqa: BLE001
+        raise TrialSkipped(f"the optimizer cannot be copied ({short(error)})") from None
 
 
 # -- the copy of the model -----------------------------------------------------------
@@ -254,31 +471,52 @@ LossOf = Callable[[Any, Any, Any, Any], Any]  # (x, y, y_pred, sample_weight) ->
 def trial_loss(
     model: keras.Model, replica: keras.Model, loss_fn: Callable | None, variant: Variant
 ) -> LossOf:
-    """The run's loss for the replica, with the variant's loss changes."""
-    bounds = variant.clip_predictions
-    clip = (lambda y_pred: _clip(y_pred, *bounds)) if bounds else (lambda y_pred: y_pred)
+    """The run's loss (the custom loop's ``loss_fn``, else the compiled
+    model's own ``compute_loss``) with the variant's loss changes: the outputs
+    through ``output_activation``, clipped to ``clip_predictions``, and (on a
+    copy) the loss reading logits."""
+    seen = _outputs_seen(variant)
     if loss_fn is not None:
         fn = logits_loss(loss_fn) if variant.from_logits else loss_fn
 
         def custom(x, y, y_pred, sample_weight):
             extra = () if sample_weight is None else (sample_weight,)
-            return fn(y, clip(y_pred), *extra)
+            return fn(y, seen(y_pred), *extra)
 
         return custom
     loss = getattr(model, "loss", None)
-    if loss is None:
+    if loss is None and getattr(model, "_compile_loss", None) is None:
         raise TrialSkipped("no loss to train with (a compiled loss or loss_fn)")
-    if variant.from_logits:
-        loss = tf.nest.map_structure(logits_loss, loss)
-    weights = model.get_compile_config().get("loss_weights") if model.compiled else None
-    replica.compile(optimizer="sgd", loss=loss, loss_weights=weights)
+    if replica is not model:
+        if variant.from_logits:
+            loss = tf.nest.map_structure(logits_loss, loss)
+        weights = model.get_compile_config().get("loss_weights") if model.compiled else None
+        replica.compile(optimizer="sgd", loss=loss, loss_weights=weights)
 
     def compiled(x, y, y_pred, sample_weight):
         return replica.compute_loss(
-            x=x, y=y, y_pred=clip(y_pred), sample_weight=sample_weight, training=True
+            x=x, y=y, y_pred=seen(y_pred), sample_weight=sample_weight, training=True
         )
 
     return compiled
+
+
+def _outputs_seen(variant: Variant) -> Callable[[Any], Any]:
+    """What the loss sees of the outputs: through the variant's activation, then clipped."""
+    activation = None
+    if variant.output_activation:
+        try:
+            activation = keras.activations.get(variant.output_activation)
+        except ValueError as error:
+            raise TrialSkipped(f"no activation {variant.output_activation!r} ({error})") from None
+    bounds = variant.clip_predictions
+
+    def seen(y_pred):
+        if activation is not None:
+            y_pred = tf.nest.map_structure(activation, y_pred)
+        return _clip(y_pred, *bounds) if bounds else y_pred
+
+    return seen
 
 
 def _clip(y_pred, low: float, high: float):

@@ -1,9 +1,16 @@
 """Counterfactual remedy trials: re-run the failure with each remedy applied.
 
 After training stops at an incident or an explosion (and in ``tb-nanwatch
-replay``), :func:`run_trials` tries each remedy the cause offers on a copy of
-the model (:mod:`tb_nanwatch.record.after_incident.trial_replica`; the trained model and the
-user's optimizer are never touched) and says whether it kept the run finite:
+replay``), :func:`run_trials` tries each remedy the cause offers on **the
+user's own objects** (:mod:`tb_nanwatch.record.after_incident.trial_replica`):
+the model as trained (every variable, adapted preprocessing layers, BatchNorm
+statistics and the dropout seed states included), the user's loss and
+optimizer object (its class and schedule), from the recorded state. Every
+model and optimizer variable is copied before the trials and restored after
+each trial and at the end: afterwards the model and optimizer hold exactly
+their trained state. Only a change that cannot run on them (the float32
+policy, a loss reading logits) uses a copy of the model, and its setting says
+so.
 
 * a step-local cause (bad input data, the optimizer's update, a float16
   overflow, a math error in the forward pass, the loss or the backward pass)
@@ -11,21 +18,38 @@ user's optimizer are never touched) and says whether it kept the run finite:
   an update, the optimizer's state) from before the step, the same batch
   :data:`BUNDLE_STEPS` times;
 * a cause that grew over many steps (an overflow after growth, unscaled data,
-  an explosion) re-runs from the rewind point (a copy of the weights and the
-  optimizer's state some steps before) through the recorded batches, then
-  through them again: twice the span, at least :data:`MIN_REWIND_STEPS` steps.
+  an explosion) re-runs from the rewind point (every variable and the
+  optimizer's state some steps before) through the recorded batches, the
+  whole span through the incident, then through them again: twice the span,
+  at least :data:`MIN_REWIND_STEPS` steps.
+
+**Fidelity before verdicts.** The run without a remedy goes first (the
+baseline) and must reproduce the recorded run: its loss at each of the first
+:data:`REPRODUCE_STEPS` steps must be within :data:`RTOL` x |recorded| +
+:data:`ATOL` (relative 1e-3 + absolute 1e-6, float32) of the recorded loss of
+the same step (``TrialData.recorded_losses``, the journal's series), or both
+non-finite. When it does not, every remedy is ``cannot_verify``, its why
+"cannot verify: the re-run diverged from the recorded run at step k
+(recorded L1, re-run L2)" (or the recorded losses are not known): never
+"did not help". A bundle holds the trainable weights alone (not the dropout
+seed states nor BatchNorm's statistics of its step): when its re-run does not
+reproduce the step, the episode from the rewind point (every variable) is
+tried instead. Without recorded losses (a direct call) the check is not
+made and ``fidelity`` says so.
 
 Each step runs at its recorded learning rate (changed by the schedule
 remedies). Outcome: ``fixed`` when the loss and every weight stayed finite
 through the trial and its signal (an explosion's signal; for an incident, the
-loss) stayed under the explosion line, ``explosion_factor`` x its lowest
-value over the trial's first :data:`REFERENCE_STEPS` steps; else
-``not_fixed``; or ``not_tried`` and why. A fix whose loss did not go down
-(the last pass over the batches against the first) has ``learning`` False.
-The run without a remedy goes first (the baseline): when it does not fail,
-no trial can tell a fix and every remedy is ``not_tried``. All trials share
-one wall-clock budget (``trial_budget_s``), checked between steps; a trial
-never raises (a failure is a warning and ``not_tried``).
+loss) stayed under the explosion line, ``explosion_factor`` x its smallest
+positive value over the trial's first :data:`REFERENCE_STEPS` steps (never a
+reference of 0), and, for a growth trial whose recorded run exploded, the
+loss stayed under :data:`LEVEL_SHARE` of the highest loss the recorded run
+reached; else ``not_fixed``; or ``not_tried`` and why. A fix whose loss did
+not go down (the last pass over the batches against the first) has
+``learning`` False. When the baseline does not fail, no trial can tell a fix
+and every remedy is ``not_tried``. All trials share one wall-clock budget
+(``trial_budget_s``), checked between steps; a trial never raises (a failure
+is a warning and ``not_tried``).
 """
 
 from __future__ import annotations
@@ -55,8 +79,10 @@ from tb_nanwatch.record.after_incident import schedules as _schedules  # noqa: F
 from tb_nanwatch.record.after_incident import trial_remedies
 from tb_nanwatch.record.after_incident.bundle import BUNDLE_DIR, ReproBundle, rebuild_batch
 from tb_nanwatch.record.after_incident.trial_replica import (
+    COPY_NOTE,
     Replica,
     Start,
+    TrainedState,
     TrialSkipped,
     Variant,
     short,
@@ -67,6 +93,15 @@ FROM_REWIND = ("growth_overflow", "explosion", "unscaled_data")
 BUNDLE_STEPS = 10
 MIN_REWIND_STEPS = 20
 REFERENCE_STEPS = 5
+# The no-remedy re-run reproduces the recorded run when its loss at each of
+# the first REPRODUCE_STEPS steps is within RTOL x |recorded| + ATOL of the
+# recorded loss (float32), or both are non-finite.
+REPRODUCE_STEPS = 3
+RTOL = 1e-3
+ATOL = 1e-6
+# A growth trial fails when its loss reaches this share of the highest loss
+# the recorded run reached over the span (when the recorded run exploded).
+LEVEL_SHARE = 0.5
 # A trial is "learning" when its loss fell by at least this fraction.
 LEARNING_DROP = 0.05
 # Above this much variable memory the model is not copied for trials.
@@ -87,6 +122,10 @@ class TrialData:
     rewind: Any = None
     rewind_missing: str = ""
     optimizer: Any = None
+    # The recorded loss of each step by the run's step number (the journal's
+    # series): the no-remedy re-run is checked against it. None: not given,
+    # the re-run is not checked (said in the plan).
+    recorded_losses: dict[int, float] | None = None
 
 
 class TrialList(list):
@@ -96,6 +135,7 @@ class TrialList(list):
 
     baseline: Trial | None = None
     plan: str = ""
+    fidelity: str = ""  # whether the re-run reproduced the recorded run, in words
 
 
 @dataclasses.dataclass
@@ -109,6 +149,10 @@ class Episode:
     start: Start
     description: str
     schedule: Callable[[int], float] | None = None  # the rate at a trial step, from its schedule
+    first_step: int | None = None  # the run's step of the trial's first step
+    span: int = 1  # the recorded steps the trial's first pass re-runs
+    growth: bool = False  # a cause that grew over the span (judged on the recorded level)
+    from_bundle: bool = False  # it starts from the reproduction bundle
 
 
 def run_trials(
@@ -128,6 +172,7 @@ def run_trials(
     trials = TrialList()
     if not ids:
         return trials
+    optimizer = _optimizer_object(model, data)
     try:
         episode = plan(model, cause, data)
     except TrialSkipped as skipped:
@@ -138,21 +183,64 @@ def run_trials(
         warnings.warn(f"NanWatch could not prepare the remedy trials: {error!r}", stacklevel=2)
         trials.extend(Trial(r, "not_tried", why=f"could not prepare: {short(error)}") for r in ids)
         return trials
-    runner = _Runner(model, loss_fn, episode, _Judge.of(cause, options), options.trial_budget_s)
+    try:
+        if optimizer is not None and not getattr(optimizer, "built", True):
+            optimizer.build(model.trainable_variables)  # as its first step would: fresh state
+        trained = TrainedState(model, optimizer)
+    except Exception as error:  # noqa: BLE001 - without a copy of the state, no trial
+        why = f"the trained state could not be kept ({short(error)})"
+        trials.extend(Trial(r, "not_tried", why=why) for r in ids)
+        return trials
+    judge = _Judge.of(cause, options, episode, data.recorded_losses)
+    user = UserRun(model, loss_fn, optimizer, trained)
+    runner = _Runner(user, episode, judge, options.trial_budget_s)
     trials.plan = episode.description
-    with _quiet_tensorflow():
-        trials.baseline = runner.baseline(say)
-        for number, remedy in enumerate(ids, 1):
-            try:
-                trial = runner.trial(remedy, cause, trials.baseline)
-            except Exception as error:  # noqa: BLE001 - one remedy's failure is not the rest's
-                warnings.warn(f"NanWatch trial {remedy} failed: {error!r}", stacklevel=2)
-                trial = Trial(remedy, "not_tried", why=f"failed: {short(error)}")
-            trials.append(trial)
-            say(
-                f"NanWatch trial {number}/{len(ids)}: {remedy}: {evidence_trials.trial_text(trial)}"
-            )
+    try:
+        with _quiet_tensorflow():
+            trials.baseline = runner.baseline(say, data.recorded_losses)
+            if trials.baseline.outcome == "cannot_verify" and episode.from_bundle:
+                runner = _from_rewind_instead(runner, model, cause, data, options, say)
+                trials.baseline, trials.plan = runner.baseline_trial, runner.episode.description
+            trials.fidelity = runner.fidelity
+            for number, remedy in enumerate(ids, 1):
+                try:
+                    trial = runner.trial(remedy, cause, trials.baseline)
+                except Exception as error:  # noqa: BLE001 - one remedy's failure is not the rest's
+                    warnings.warn(f"NanWatch trial {remedy} failed: {error!r}", stacklevel=2)
+                    trial = Trial(remedy, "not_tried", why=f"failed: {short(error)}")
+                trials.append(trial)
+                text = evidence_trials.trial_text(trial)
+                say(f"NanWatch trial {number}/{len(ids)}: {remedy}: {text}")
+    finally:
+        trained.restore()  # the user's model and optimizer exactly as trained
     return trials
+
+
+def _from_rewind_instead(
+    runner: _Runner,
+    model: keras.Model,
+    cause: dict,
+    data: TrialData,
+    options: WatchOptions,
+    say: Progress,
+) -> _Runner:
+    """The bundle's re-run did not reproduce the recorded step (the bundle
+    holds the trainable weights alone: not the dropout seed states, nor
+    BatchNorm's statistics of the step): the episode from the rewind point,
+    which holds every variable, when there is one and it reproduces; else
+    ``runner`` as it was. The budget stays the one shared deadline."""
+    try:
+        episode = plan(model, cause, data, from_rewind=True)
+    except TrialSkipped:
+        return runner
+    judge = _Judge.of(cause, options, episode, data.recorded_losses)
+    other = _Runner(runner.user, episode, judge, runner.budget_s)
+    other.deadline = runner.deadline
+    say(f"NanWatch trials: from the bundle, {runner.fidelity}; from the rewind point instead")
+    baseline = other.baseline(say, data.recorded_losses)
+    if baseline.outcome == "cannot_verify":
+        return runner
+    return other
 
 
 @contextlib.contextmanager
@@ -174,24 +262,34 @@ def _to_stderr(line: str) -> None:
 # -- what the trials re-run --------------------------------------------------------------
 
 
-def plan(model: keras.Model, cause: dict, data: TrialData) -> Episode:
-    """The episode the trials of ``cause`` re-run, or TrialSkipped saying why none."""
+def plan(model: keras.Model, cause: dict, data: TrialData, from_rewind: bool = False) -> Episode:
+    """The episode the trials of ``cause`` re-run (``from_rewind``: only from
+    the rewind point), or TrialSkipped saying why none."""
     size = sum(_bytes(v) for v in model.weights)
     if size > MAX_TRIAL_BYTES:
         raise TrialSkipped(
             f"the model's variables ({size / 2**20:.0f} MB) are above the trials' size "
             f"limit ({MAX_TRIAL_BYTES / 2**20:.0f} MB)"
         )
-    config = _optimizer_config(model, data)
+    config = _optimizer_config(data)
+    optimizer = _optimizer_object(model, data)
+    if optimizer is None and config is None:
+        raise TrialSkipped("the optimizer is not known (record it with the bundle)")
     builders = [_from_bundle, _from_rewind]
-    if cause.get("id") in FROM_REWIND:
+    if cause.get("id") in FROM_REWIND or from_rewind:
         builders = [_from_rewind]  # the incident step alone starts from grown weights
     reasons = []
     for build in builders:
         try:
-            return build(cause, data, config)
+            episode = build(cause, data, config)
         except TrialSkipped as skipped:
             reasons.append(str(skipped))
+            continue
+        iteration = _iteration(episode.start.optimizer_state, episode.first_step or 0)
+        episode.schedule = _schedule(optimizer, config, iteration)
+        episode.growth = cause.get("id") in FROM_REWIND and build is _from_rewind
+        episode.from_bundle = build is _from_bundle
+        return episode
     raise TrialSkipped("; ".join(reasons))
 
 
@@ -199,17 +297,21 @@ def _bytes(variable: Any) -> int:
     return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
 
 
-def _optimizer_config(model: keras.Model, data: TrialData) -> dict:
-    optimizer = data.optimizer
-    if optimizer is None and data.bundle is not None:
-        optimizer = data.bundle.info.get("optimizer_config")
-    if optimizer is None:
-        optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, dict):
-        return optimizer
-    if optimizer is None:
-        raise TrialSkipped("the optimizer is not known (record it with the bundle)")
-    return keras.optimizers.serialize(optimizer)
+def _optimizer_object(model: keras.Model, data: TrialData) -> Any:
+    """The user's optimizer object the trials train with (None: only its config is known)."""
+    if data.optimizer is not None and not isinstance(data.optimizer, dict):
+        return data.optimizer
+    return getattr(model, "optimizer", None)
+
+
+def _optimizer_config(data: TrialData) -> dict | None:
+    """The optimizer's recorded Keras serialization (for a copy, or when the
+    object is not at hand), None when not recorded."""
+    if isinstance(data.optimizer, dict):
+        return data.optimizer
+    if data.bundle is not None and isinstance(data.bundle.info.get("optimizer_config"), dict):
+        return data.bundle.info["optimizer_config"]
+    return None
 
 
 def _from_bundle(cause: dict, data: TrialData, config: dict) -> Episode:
@@ -235,7 +337,8 @@ def _from_bundle(cause: dict, data: TrialData, config: dict) -> Episode:
             f"step {saved.step} from its reproduction bundle ({state}), its batch "
             f"{BUNDLE_STEPS} times"
         ),
-        schedule=_schedule(config, _iteration(saved.optimizer, saved.step)),
+        first_step=int(saved.step),
+        span=1,
     )
 
 
@@ -247,7 +350,8 @@ def _from_rewind(cause: dict, data: TrialData, config: dict) -> Episode:
     if not batches:
         raise TrialSkipped("the rewind point holds no batches")
     batches = [b if isinstance(b, list) else [b] for b in batches]
-    steps = max(2 * len(batches), MIN_REWIND_STEPS)
+    steps = max(2 * len(batches), MIN_REWIND_STEPS)  # through the incident, then again
+    last = point.step + len(batches) - 1
     return Episode(
         batches=batches,
         rates=[float(r) if _number(r) else None for r in point.learning_rates],
@@ -255,9 +359,11 @@ def _from_rewind(cause: dict, data: TrialData, config: dict) -> Episode:
         start=Start(dict(point.weights), True, dict(point.optimizer), config),
         description=(
             f"from the rewind point at step {point.step}: its {len(batches)} recorded "
-            f"batch{'es' * (len(batches) != 1)}, cycled for {steps} steps"
+            f"batch{'es' * (len(batches) != 1)} (steps {point.step}-{last}), cycled for "
+            f"{steps} steps"
         ),
-        schedule=_schedule(config, _iteration(point.optimizer, point.step)),
+        first_step=int(point.step),
+        span=len(batches),
     )
 
 
@@ -265,17 +371,27 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _schedule(config: dict, iteration: int) -> Callable[[int], float] | None:
-    """The learning-rate schedule of the optimizer ``config`` as a function of
-    the trial step (None: a constant rate)."""
+def _schedule(optimizer: Any, config: dict | None, iteration: int) -> Callable[[int], float] | None:
+    """The learning-rate schedule of the user's optimizer (its own object, a
+    custom class included; else the recorded ``config``'s) as a function of
+    the trial step (None: a constant rate, or a schedule that cannot be rebuilt)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    schedule = getattr(inner, "_learning_rate", None)
+    if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+        return lambda step: float(np.asarray(schedule(iteration + step)))
+    if optimizer is not None or config is None:
+        return None
     body = config.get("config", {})
     if config.get("class_name") == "LossScaleOptimizer":
         body = body.get("inner_optimizer", {}).get("config", {})
     rate = body.get("learning_rate")
     if not isinstance(rate, dict):
         return None
-    schedule = keras.optimizers.schedules.deserialize(rate)
-    return lambda step: float(schedule(iteration + step))
+    try:
+        rebuilt = keras.optimizers.schedules.deserialize(rate)
+    except Exception:  # noqa: BLE001 - an unregistered schedule: the recorded rates only
+        return None
+    return lambda step: float(np.asarray(rebuilt(iteration + step)))
 
 
 def _iteration(state: dict[str, np.ndarray], default: int) -> int:
@@ -292,50 +408,158 @@ def _iteration(state: dict[str, np.ndarray], default: int) -> int:
 class _Judge:
     """When a trial failed: a non-finite step, or its signal above the explosion
     line (an explosion's signal; else the loss: a loss that climbs a thousandfold
-    in a few steps is not fixed, even while it is still finite)."""
+    in a few steps is not fixed, even while it is still finite), or, for a
+    growth trial, its loss at the level the recorded run reached.
+
+    The line is ``factor`` x the smallest positive value of the trial's first
+    REFERENCE_STEPS steps (never a reference of 0: a loss that starts at
+    exactly 0 is measured from its first positive value, else from the
+    recorded run's smallest positive loss over the span). ``level``: the
+    highest loss the recorded run reached over the span when it exploded
+    (above its own line; None otherwise or when not recorded): a trial whose
+    loss reaches LEVEL_SHARE of it failed as the recorded run did.
+    """
 
     signal: str
     factor: float
+    floor: float | None = None
+    level: float | None = None
 
     @classmethod
-    def of(cls, cause: dict, options: WatchOptions) -> _Judge:
+    def of(
+        cls,
+        cause: dict,
+        options: WatchOptions,
+        episode: Episode | None = None,
+        recorded: dict[int, float] | None = None,
+    ) -> _Judge:
         signal = (cause.get("evidence") or {}).get("signal")
         explosion = cause.get("id") == "explosion" and signal in _SIGNALS
-        return cls(signal if explosion else "loss", options.explosion_factor)
+        signal = signal if explosion else "loss"
+        floor = level = None
+        if episode is not None and recorded and episode.first_step is not None:
+            span = range(episode.first_step, episode.first_step + episode.span)
+            losses = [recorded[s] for s in span if s in recorded]
+            finite = [v for v in losses if math.isfinite(v)]
+            positive = [v for v in finite if v > 0]
+            floor = min(positive) if positive else None
+            exploded = floor is not None and max(finite) > options.explosion_factor * floor
+            if episode.growth and signal == "loss" and exploded:
+                level = max(finite)
+        return cls(signal, options.explosion_factor, floor, level)
+
+    def reference(self, values: list[float]) -> float | None:
+        early = [v for v in values[:REFERENCE_STEPS] if math.isfinite(v) and v > 0]
+        if early:
+            return min(early)
+        if self.signal == "loss" and self.floor is not None:
+            return self.floor
+        later = [v for v in values if math.isfinite(v) and v > 0]
+        return min(later) if later else None
 
     def above_line(self, values: list[float]) -> bool:
         if not values:
             return False
-        reference = min(values[:REFERENCE_STEPS])
-        return reference > 0 and values[-1] > self.factor * reference
+        reference = self.reference(values)
+        return reference is not None and values[-1] > self.factor * reference
+
+    def at_level(self, values: list[float]) -> bool:
+        """Whether the loss reached the level the recorded run exploded to."""
+        return self.level is not None and bool(values) and values[-1] >= LEVEL_SHARE * self.level
+
+
+@dataclasses.dataclass(frozen=True)
+class UserRun:
+    """The user's own objects a trial trains: the model, the loss (a custom
+    loop's ``loss_fn``; None: the compiled model's), the optimizer, and their
+    trained state, restored after each trial (None: not kept)."""
+
+    model: keras.Model
+    loss_fn: Callable | None = None
+    optimizer: Any = None
+    trained: TrainedState | None = None
 
 
 class _Runner:
-    """Runs the trials of one episode under one wall-clock budget."""
+    """Runs the trials of one episode under one wall-clock budget, on the
+    user's model and optimizer, restoring their trained state after each."""
 
-    def __init__(
-        self,
-        model: keras.Model,
-        loss_fn: Callable | None,
-        episode: Episode,
-        judge: _Judge,
-        budget_s: float,
-    ) -> None:
-        self.model = model
-        self.loss_fn = loss_fn
+    def __init__(self, user: UserRun, episode: Episode, judge: _Judge, budget_s: float) -> None:
+        self.model = user.model
+        self.loss_fn = user.loss_fn
         self.episode = episode
         self.judge = judge
         self.budget_s = budget_s
         self.deadline = time.monotonic() + budget_s
+        self.optimizer = user.optimizer
+        self.trained = user.trained
+        self.user = user
+        self.fidelity = ""
+        self.baseline_trial: Trial | None = None
+        self._losses: list[float] = []
 
-    def baseline(self, say: Progress) -> Trial:
-        """The run as recorded: it must fail for a trial to tell a fix."""
+    def baseline(self, say: Progress, recorded: dict[int, float] | None = None) -> Trial:
+        """The run as recorded: it must reproduce the recorded run (else every
+        remedy is ``cannot_verify``) and fail for a trial to tell a fix."""
         result = self.attempt("none", Variant())
+        if result.outcome != "not_tried":
+            diverged = self.check(self._losses, recorded)
+            if diverged is not None:
+                result = dataclasses.replace(result, outcome="cannot_verify", why=diverged)
         text = evidence_trials.trial_text(result)
         say(f"NanWatch trials: {self.episode.description}; as recorded: {text}")
+        if self.fidelity:
+            say(f"NanWatch trials: {self.fidelity}")
+        self.baseline_trial = result
         return result
 
+    def check(self, losses: list[float], recorded: dict[int, float] | None) -> str | None:
+        """Whether the no-remedy re-run reproduced the recorded run over its
+        first REPRODUCE_STEPS steps: None when it did (or when no recorded
+        losses were given: then ``fidelity`` says it was not checked), else
+        the ``cannot verify: ...`` why."""
+        episode = self.episode
+        if recorded is None or episode.first_step is None:
+            self.fidelity = "the re-run was not checked against a recorded run (no recorded losses)"
+            return None
+        steps = range(episode.first_step, episode.first_step + min(REPRODUCE_STEPS, episode.span))
+        compared = []
+        for i, step in enumerate(steps):
+            if i >= len(losses):
+                break
+            want = recorded.get(step)
+            if want is None:
+                continue
+            got = losses[i]
+            compared.append(step)
+            if not _same_loss(want, got):
+                self.fidelity = (
+                    f"the re-run diverged from the recorded run at step {step} "
+                    f"(recorded {want:.7g}, re-run {got:.7g})"
+                )
+                return f"cannot verify: {self.fidelity}"
+            if not math.isfinite(want):
+                break  # the recorded run ends here
+        if not compared:
+            self.fidelity = (
+                f"the recorded losses of steps {steps.start}-{steps.stop - 1} are not known"
+            )
+            return f"cannot verify: {self.fidelity}"
+        gaps = [
+            abs(losses[s - episode.first_step] - recorded[s]) / max(abs(recorded[s]), ATOL)
+            for s in compared
+            if math.isfinite(recorded[s])
+        ]
+        largest = f"; largest relative difference {max(gaps):.1e}" if gaps else ""
+        self.fidelity = (
+            f"the re-run reproduced the recorded losses of steps {compared[0]}-{compared[-1]} "
+            f"(within {RTOL:g} relative + {ATOL:g}{largest})"
+        )
+        return None
+
     def trial(self, remedy: str, cause: dict, baseline: Trial) -> Trial:
+        if baseline.outcome == "cannot_verify":
+            return Trial(remedy, "cannot_verify", why=baseline.why)
         if baseline.outcome == "not_tried":
             return Trial(remedy, "not_tried", why=f"the run as recorded: {baseline.why}")
         if baseline.outcome == "fixed":
@@ -397,9 +621,17 @@ class _Runner:
         )
 
     def attempt(self, remedy: str, variant: Variant) -> Trial:
-        """One re-run of the episode with ``variant``; never raises."""
+        """One re-run of the episode with ``variant``; never raises. The user's
+        model and optimizer get their trained state back after it."""
+        self._losses = []
+        setting = f"{variant.setting} ({COPY_NOTE})" if variant.needs_copy else variant.setting
+        variant = dataclasses.replace(variant, setting=setting)
+        replica = None
         try:
-            replica = Replica(self.model, self.loss_fn, self.episode.start, variant)
+            optimizer = self.optimizer
+            if optimizer is None:
+                optimizer = self.episode.start.optimizer_config
+            replica = Replica(self.model, self.loss_fn, self.episode.start, variant, optimizer)
             return self._steps(remedy, variant, replica)
         except TrialSkipped as skipped:
             return Trial(remedy, "not_tried", setting=variant.setting, why=str(skipped))
@@ -408,9 +640,14 @@ class _Runner:
             return Trial(
                 remedy, "not_tried", setting=variant.setting, why=f"failed: {short(error)}"
             )
+        finally:
+            if replica is not None:
+                replica.close()
+            if self.trained is not None:
+                self.trained.restore()
 
     def _steps(self, remedy: str, variant: Variant, replica: Replica) -> Trial:
-        episode, losses, signal = self.episode, [], []
+        episode, losses, signal = self.episode, self._losses, []
         first_rate = replica.rate
         outcome = lambda o, why="": _trial(remedy, o, variant.setting, losses, why)  # noqa: E731
         for step in range(episode.steps):
@@ -436,6 +673,12 @@ class _Runner:
                     "not_fixed",
                     f"the {self.judge.signal} crossed the explosion line at step {step + 1}",
                 )
+            if self.judge.at_level(losses):
+                return outcome(
+                    "not_fixed",
+                    f"the loss reached the level the recorded run exploded to "
+                    f"({self.judge.level:.3g}) at step {step + 1}",
+                )
         return _learning(outcome("fixed"), losses, len(episode.batches))
 
     def _rate(self, step: int, first_rate: float) -> float:
@@ -448,6 +691,14 @@ class _Runner:
             return episode.schedule(step)
         known = [r for r in episode.rates if r is not None]
         return known[-1] if known else first_rate
+
+
+def _same_loss(recorded: float, rerun: float) -> bool:
+    """The re-run's loss is the recorded one: both non-finite, or within
+    RTOL x |recorded| + ATOL."""
+    if not (math.isfinite(recorded) and math.isfinite(rerun)):
+        return not math.isfinite(recorded) and not math.isfinite(rerun)
+    return abs(rerun - recorded) <= RTOL * abs(recorded) + ATOL
 
 
 def _rate_before_jump(rates: list[float | None]) -> float | None:
@@ -502,6 +753,7 @@ def write_trials(run_dir: str, step: int, cause: dict, trials: TrialList) -> str
         "step": step,
         "cause": cause.get("id"),
         "plan": trials.plan,
+        "fidelity": trials.fidelity,
         "baseline": None if trials.baseline is None else trials.baseline.to_json(),
         "trials": [t.to_json() for t in trials],
     }
