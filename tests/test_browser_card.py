@@ -55,6 +55,7 @@ OVERFLOW_CAUSE = {
 }
 # The routes' remedies with their trials (a trial without Python's text: the
 # vocabulary's word for its outcome), working first.
+REMEDY_CODE = "keras.optimizers.Adam(..., clipnorm=1.0)"
 EXPLOSION_CAUSE = {
     "id": "explosion",
     "summary": "The logits grew from 3 to 8e11 in 2 steps without a NaN yet.",
@@ -63,6 +64,7 @@ EXPLOSION_CAUSE = {
         {
             "id": "clip_gradients",
             "text": "Clip the gradients",
+            "code": REMEDY_CODE,
             "trial": trials.trial_json(
                 trials.Trial("clip_gradients", "fixed", 40, "clipnorm=1.0", "", 1e4, 7.7e3, True)
             ),
@@ -393,6 +395,19 @@ def test_explosion_only_run_shows_the_explosion_with_its_cause(tab):
     assert trial_lines.nth(2).evaluate(color) != trial_lines.nth(0).evaluate(color)
     assert card.locator(".bundle").count() == 0  # null bundle: nothing shown
     _keep(card, "explosion")
+    assert t.errors == []
+
+
+def test_a_remedys_code_is_a_copyable_snippet_under_it(tab):
+    t = tab()
+    card = t.open("resnet_explodes")
+    first = card.locator("ol.remedies > li").nth(0)
+    assert first.locator("pre [data-field=remedy-code]").inner_text() == REMEDY_CODE
+    # Only the remedies with code carry a snippet.
+    assert card.locator("ol.remedies [data-field=remedy-code]").count() == 1
+    first.locator("[data-action=copy-remedy-code]").click()
+    first.locator("[data-field=copy-status]", has_text="Copied").wait_for(timeout=TIMEOUT_MS)
+    assert t.page.evaluate("navigator.clipboard.readText()") == REMEDY_CODE
     assert t.errors == []
 
 

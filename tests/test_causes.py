@@ -312,7 +312,9 @@ def test_the_cause_is_the_one_built_in(verdicts, name):
     assert set(cause) == causes.VERDICT_KEYS
     assert cause["id"] in causes.CAUSE_IDS
     assert cause["summary"].count(". ") == 0 and cause["summary"].endswith(".")
-    assert cause["remedies"] and all(set(r) == {"id", "text", "trial"} for r in cause["remedies"])
+    assert cause["remedies"] and all(
+        set(r) == {"id", "text", "code", "trial"} for r in cause["remedies"]
+    )
     assert all(isinstance(r["text"], str) and r["text"] for r in cause["remedies"])
     assert all(r["trial"] is None for r in cause["remedies"])  # no trials recorded
     assert [r["id"] for r in cause["remedies"]] == cause["remedy_ids"]
@@ -515,6 +517,7 @@ REMEDY_IDS = (
     "output_activation",
     "clip_predictions",
     "float32_policy",
+    "float32_layer",
     "normalize_inputs",
     "scale_targets",
     "drop_bad_rows",
@@ -585,9 +588,17 @@ def test_remedies_follow_the_recorded_optimizer_and_precision(verdicts):
     assert sgd["evidence"] == {**adam["evidence"], "optimizer": "SGD"}
     assert "raise_epsilon" not in sgd["remedy_ids"] and "epsilon" not in " ".join(texts(sgd))
     fp16, _, _ = verdicts["fp16_overflow"]
-    assert fp16["remedy_ids"][0] == "float32_policy" and "float32" in texts(fp16)[0]
+    # The layer that overflowed is named: that one layer in float32 first, then
+    # the whole model; each with its code to paste.
+    assert fp16["remedy_ids"][:2] == ["float32_layer", "float32_policy"]
+    layer = fp16["evidence"]["layer"]
+    assert layer and f"Run the layer {layer} in float32" in texts(fp16)[0]
+    assert fp16["remedies"][0]["code"] == (
+        f'keras.layers.X(..., dtype="float32")  # X: the class of the layer {layer!r}'
+    )
+    assert "float32" in texts(fp16)[1]
     fp32, _, _ = verdicts["fp32_same_values"]
-    assert "float32_policy" not in fp32["remedy_ids"]
+    assert not {"float32_policy", "float32_layer"} & set(fp32["remedy_ids"])
 
 
 def test_outputs_are_logits_only_before_a_final_activation_or_a_from_logits_loss():

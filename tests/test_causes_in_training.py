@@ -170,7 +170,9 @@ def test_raw_house_prices_are_unscaled_data_not_a_learning_rate_to_lower(tmp_pat
     assert watch.incident is not None and watch.incident["step"] <= 3
     cause = _cause(tmp_path)
     assert cause["id"] == "unscaled_data", cause
-    assert cause["remedy_ids"][:2] == ["normalize_inputs", "scale_targets"]
+    # Neither alone fixes it: the two together are the first remedy, one entry.
+    assert cause["remedy_ids"][0] == "normalize_inputs+scale_targets"
+    assert cause["remedies"][0]["together"] == ["normalize_inputs", "scale_targets"]
     assert "logit" not in cause["summary"] and "input input" not in cause["summary"]
     assert "Normalization" in cause["remedies"][0]["text"]
     # The run summary holds the facts the remedies read.

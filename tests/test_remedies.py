@@ -397,7 +397,9 @@ def test_the_readers_of_the_changes_name_no_remedy():
 
 
 def test_every_trial_builds_and_every_live_change_sets_what_its_trial_found():
-    recorded = trial_remedies.Recorded(recorded_batches(), rate_before=1e-3, warmup_steps=4)
+    recorded = trial_remedies.Recorded(
+        recorded_batches(), rate_before=1e-3, warmup_steps=4, layer="dense"
+    )
     live = []
     for remedy in remedies.CATALOGUE.values():
         if remedy.trial is None:

@@ -219,7 +219,16 @@ def test_the_report_lists_the_trials_of_the_run_dir(house_run):
     )
     assert lines[at + 1] == "      Tried: clipnorm=1.0 kept 40 steps finite, loss 1.0e4 -> 7.7e3"
     assert "      Not tried: no targets in the batches kept" in lines
-    assert lines[-1] == "      Tried, did not help: Normalization over 4 steps (Inf at step 2)"
+    last = lines.index(next(line for line in lines if line.startswith("    remedy 6: ")))
+    assert (
+        lines[last + 1] == "      Tried, did not help: Normalization over 4 steps (Inf at step 2)"
+    )
+    # Each remedy with a trial carries its code to paste, with the trial's numbers.
+    assert lines[at + 2 : at + 4] == [
+        "      code:",
+        "        keras.optimizers.SGD(..., clipnorm=1.0)",
+    ]
+    assert "    What to try, best first (the fixes that worked lead):" in lines
     body = json.loads(json.dumps(report.run_report(run, cause), allow_nan=False))
     remedies = body["cause"]["remedies"]
     assert [r["id"] for r in remedies] == body["cause"]["remedy_ids"]

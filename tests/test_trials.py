@@ -134,11 +134,17 @@ def test_raw_house_prices_need_scaled_data_not_a_lower_rate():
     steps = trials.MIN_REWIND_STEPS
     assert listed.baseline.outcome == "not_fixed"
     assert not by_hand(mlp(3, [16, 16]), start, batches, steps, keras.optimizers.SGD(1e-4))[0]
-    # Inputs and targets both raw: neither alone is enough, both together train.
+    # Inputs and targets both raw: neither alone is enough (each keeps its
+    # own outcome), both together train: the combination is its own remedy,
+    # tried once.
     for remedy in ("normalize_inputs", "scale_targets"):
-        assert found[remedy].outcome == "fixed"
-        assert "inputs normalised" in found[remedy].setting
-        assert "targets standardised" in found[remedy].setting
+        assert found[remedy].outcome == "not_fixed" and not found[remedy].together
+    both_trial = found["normalize_inputs+scale_targets"]
+    assert both_trial.outcome == "fixed"
+    assert both_trial.together == ("normalize_inputs", "scale_targets")
+    assert "inputs normalised" in both_trial.setting
+    assert "targets standardised" in both_trial.setting
+    assert [t.remedy for t in listed].count("normalize_inputs+scale_targets") == 1
     alone = [standardise(batches, targets=False), standardise(batches, inputs=False)]
     for prepare in alone:
         assert not by_hand(

@@ -7,6 +7,7 @@
  */
 import { el } from "./dom.js";
 import { fmt } from "./format.js";
+import { renderSnippet } from "./repro_bundle.js";
 import { labelOf } from "./vocabulary.js";
 
 /** The most list items an evidence value shows before "… (N more)". */
@@ -77,16 +78,18 @@ function renderEvidence(evidence, unknown) {
 
 /**
  * One remedy of a cause as the card reads it. The routes send
- * `{id, text, trial}`; a cause written before remedy trials sends the text.
- * @param {{id?: string, text?: string, trial?: Object|null}|string} remedy The remedy.
+ * `{id, text, code, trial}` (a combination: `together` too); a cause written
+ * before remedy trials sends the text.
+ * @param {{id?: string, text?: string, code?: string|null, trial?: Object|null}|string} remedy The remedy.
  * @param {string|undefined} id Its id from `remedy_ids` (older causes).
- * @returns {{id: string|undefined, text: string, trial: Object|null}} The remedy.
+ * @returns {{id: string|undefined, text: string, code: string, trial: Object|null}} The remedy.
  */
 export function remedyOf(remedy, id) {
   if (remedy && typeof remedy === "object") {
-    return { id: remedy.id ?? id, text: String(remedy.text ?? ""), trial: remedy.trial || null };
+    const code = typeof remedy.code === "string" ? remedy.code : "";
+    return { id: remedy.id ?? id, text: String(remedy.text ?? ""), code, trial: remedy.trial || null };
   }
-  return { id, text: String(remedy ?? ""), trial: null };
+  return { id, text: String(remedy ?? ""), code: "", trial: null };
 }
 
 /**
@@ -107,6 +110,7 @@ function renderRemedy(remedy, rank) {
   return el("li", { class: "remedy", data: { rank, remedy: remedy.id, outcome } }, [
     el("span", { class: "remedy-text", text: remedy.text }),
     trial ? el("div", { class: "remedy-trial", data: { outcome }, text: trialText(trial) }) : null,
+    remedy.code ? renderSnippet(remedy.code, "remedy-code", "copy-remedy-code") : null,
   ]);
 }
 

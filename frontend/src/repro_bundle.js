@@ -55,14 +55,6 @@ export async function copyText(text, code) {
  * @returns {HTMLElement} The bundle block (`.bundle`).
  */
 export function renderBundle(bundle) {
-  const code = el("code", { data: { field: "bundle-snippet" }, text: bundle.snippet || "" });
-  const status = el("span", { class: "muted copy-status", data: { field: "copy-status" }, attrs: { "aria-live": "polite" } });
-  const copy = el("button", { class: "btn", text: "Copy", data: { action: "copy-snippet" } });
-  copy.addEventListener("click", async () => {
-    const outcome = await copyText(bundle.snippet || "", code);
-    status.textContent = outcome === "copied" ? "Copied" : "Selected: press Ctrl+C to copy";
-    copy.dataset.outcome = outcome;
-  });
   return el("section", { class: "bundle", data: { exact: bundle.exact } }, [
     el("h4", { text: "Reproduction bundle" }),
     el("p", { class: "bundle-path" }, [
@@ -72,11 +64,28 @@ export function renderBundle(bundle) {
       el("span", { data: { field: "bundle-exact" }, text: exactText(bundle.exact) }),
       ")",
     ]),
-    bundle.snippet
-      ? el("div", { class: "snippet" }, [
-          el("pre", { class: "snippet-code" }, [code]),
-          el("div", { class: "snippet-actions" }, [copy, status]),
-        ])
-      : null,
+    bundle.snippet ? renderSnippet(bundle.snippet, "bundle-snippet", "copy-snippet") : null,
+  ]);
+}
+
+/**
+ * A code block with a Copy button (the bundle's lines, a remedy's code).
+ * @param {string} text The code.
+ * @param {string} field The code element's `data-field`.
+ * @param {string} action The button's `data-action`.
+ * @returns {HTMLElement} The `.snippet` block.
+ */
+export function renderSnippet(text, field, action) {
+  const code = el("code", { data: { field }, text });
+  const status = el("span", { class: "muted copy-status", data: { field: "copy-status" }, attrs: { "aria-live": "polite" } });
+  const copy = el("button", { class: "btn", text: "Copy", data: { action } });
+  copy.addEventListener("click", async () => {
+    const outcome = await copyText(text, code);
+    status.textContent = outcome === "copied" ? "Copied" : "Selected: press Ctrl+C to copy";
+    copy.dataset.outcome = outcome;
+  });
+  return el("div", { class: "snippet" }, [
+    el("pre", { class: "snippet-code" }, [code]),
+    el("div", { class: "snippet-actions" }, [copy, status]),
   ]);
 }

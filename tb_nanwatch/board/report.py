@@ -258,12 +258,35 @@ def format_cause(cause: dict) -> list[str]:
     evidence = ", ".join(f"{k}={_number(v)}" for k, v in cause["evidence"].items())
     if evidence:
         lines.append(f"    evidence: {evidence}")
+    if cause["remedies"]:
+        lines.append(f"    {remedies_heading(cause['remedies'])}")
     for rank, remedy in enumerate(cause["remedies"], 1):
         lines.append(f"    remedy {rank}: {causes.remedy_text(remedy)}")
         trial = remedy.get("trial") if isinstance(remedy, dict) else None
         if isinstance(trial, dict) and trial.get("text"):
             lines.append(f"      {trial['text']}")
+        code = remedy.get("code") if isinstance(remedy, dict) else None
+        if isinstance(code, str) and code:
+            lines.append("      code:")
+            lines.extend(f"        {line}" for line in code.splitlines())
     return lines
+
+
+def remedies_heading(remedies: list) -> str:
+    """The heading over the remedies (the card's words): whether a tried fix
+    leads, or none worked."""
+    outcomes = [
+        r["trial"].get("outcome")
+        for r in remedies
+        if isinstance(r, dict) and isinstance(r.get("trial"), dict)
+    ]
+    if "fixed" in outcomes:
+        return "What to try, best first (the fixes that worked lead):"
+    if "not_fixed" in outcomes:
+        return "What to try: no remedy tried fixed the run:"
+    if outcomes:
+        return "What to try, best first (untested: no remedy trial could run):"
+    return "What to try, best first:"
 
 
 def _op_line(op: object) -> str | None:

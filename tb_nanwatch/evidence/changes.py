@@ -18,8 +18,9 @@ The kinds:
 * :class:`WarmUp`: a linear learning-rate warm-up;
 * :class:`DataTransform`: the batches changed (``normalise_inputs``,
   ``standardise_targets``, ``drop_nonfinite_rows``);
-* :class:`Float32Policy`, :class:`FromLogits`, :class:`ClipPredictions`,
-  :class:`OutputActivation`: the model's dtype policy, its loss reading
+* :class:`Float32Policy`, :class:`Float32Layer`, :class:`FromLogits`,
+  :class:`ClipPredictions`, :class:`OutputActivation`: the model's dtype
+  policy (or one layer's), its loss reading
   logits, its predictions clipped, an activation on its outputs.
 
 Pure Python, no TensorFlow.
@@ -95,6 +96,12 @@ class Float32Policy:
 
 
 @dataclasses.dataclass(frozen=True)
+class Float32Layer:
+    """The one layer that overflowed (the verdict's ``layer``, else the
+    incident's) in float32, the rest of the model in its mixed policy."""
+
+
+@dataclasses.dataclass(frozen=True)
 class FromLogits:
     """The loss reads logits: ``from_logits=True``, the final sigmoid/softmax removed."""
 
@@ -122,6 +129,7 @@ Change = (
     | WarmUp
     | DataTransform
     | Float32Policy
+    | Float32Layer
     | FromLogits
     | ClipPredictions
     | OutputActivation
@@ -133,6 +141,7 @@ KINDS = (
     WarmUp,
     DataTransform,
     Float32Policy,
+    Float32Layer,
     FromLogits,
     ClipPredictions,
     OutputActivation,

@@ -87,7 +87,8 @@ class WatchOptions:
     pre_step_weights: str = "on_suspect"
     explosion_factor: float = 1e3
     rewind_every: int = DEFAULT_REWIND_EVERY
-    rewind_memory_mb: float = 256.0
+    rewind_memory_mb: float = 512.0
+    rewind_disk_mb: float = 8192.0
     remedy_trials: bool = True
     trial_budget_s: float = 120.0
     max_skips: int = 10
@@ -109,6 +110,7 @@ class WatchOptions:
             "min_loss_scale": finite_number("min_loss_scale", self.min_loss_scale, 0.0),
             "rewind_every": positive_int("rewind_every", self.rewind_every, allow_zero=True),
             "rewind_memory_mb": finite_number("rewind_memory_mb", self.rewind_memory_mb, 0.0),
+            "rewind_disk_mb": finite_number("rewind_disk_mb", self.rewind_disk_mb, 0.0),
             "remedy_trials": a_bool("remedy_trials", self.remedy_trials),
             "trial_budget_s": finite_number(
                 "trial_budget_s", self.trial_budget_s, 0.0, low_inclusive=False

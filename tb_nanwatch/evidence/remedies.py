@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 
 from tb_nanwatch.evidence import changes
+from tb_nanwatch.evidence.trials import Trial, combined_id
 
 # Optimizers without an epsilon in their update (type names as recorded), for
 # runs that did not record the optimizer's settings.
@@ -268,6 +270,14 @@ class Remedy:
     applies: Callable[[Facts], bool] = lambda facts: True
     trial: changes.Change | None = None
     live: bool = False
+    # The code to paste that does what the trial did, with the trial's numbers
+    # (the factor found, the held rate): ``code(facts, trial)``, trial None when
+    # not tried; None: no code (advice).
+    code: Callable[[Facts, Trial | None], str | None] | None = None
+
+    def code_for(self, facts: Facts, trial: Trial | None) -> str | None:
+        """This remedy's code on ``facts`` with ``trial``'s numbers (None: none)."""
+        return None if self.code is None else self.code(facts, trial)
 
 
 # -- the texts ------------------------------------------------------------------
@@ -440,6 +450,152 @@ def _text(sentence: str) -> Callable[[Facts], str]:
     return lambda facts: sentence
 
 
+# -- the code to paste (what each trial did, with its numbers) ---------------------
+
+
+def _optimizer_name(f: Facts) -> str:
+    name = f.optimizer or "Adam"
+    return "Adam" if name == "LossScaleOptimizer" else name
+
+
+def _rate_number(f: Facts) -> float | None:
+    """The rate the run had at the step: the verdict's ``lr``, else the recorded setting."""
+    lr = f.number("lr")
+    if lr is None:
+        setting = f.setting("learning_rate")
+        lr = setting if isinstance(setting, float) else None
+    return lr
+
+
+def found_factor(trial: Trial | None) -> float | None:
+    """The rate factor a ``lower_lr`` trial found (``lr x0.01`` -> 0.01); None
+    when the trial did not fix the run."""
+    if trial is None or trial.outcome != "fixed":
+        return None
+    match = re.search(r"lr x([0-9.eE+-]+)", trial.setting)
+    return float(match.group(1)) if match else None
+
+
+def _lower_lr_code(f: Facts, trial: Trial | None) -> str:
+    factor = found_factor(trial) or 0.1
+    lr = _rate_number(f)
+    if lr is None:
+        return f"optimizer.learning_rate = optimizer.learning_rate * {factor:g}"
+    rate = f"{lr * factor:.4g}"
+    return (
+        f"optimizer.learning_rate = {rate}  # was {fmt(lr, 4)}: x{factor:g}, as the trial\n"
+        f"# or, where you build it: keras.optimizers.{_optimizer_name(f)}(learning_rate={rate})"
+    )
+
+
+def held_rate(f: Facts, trial: Trial | None) -> float | None:
+    """The rate a ``fix_schedule`` trial held: the verdict's ``lr_before``,
+    else the one its setting names (``lr held at 0.001``)."""
+    before = f.number("lr_before")
+    if before is not None:
+        return before
+    match = re.search(r"held at ([0-9.eE+-]+)", trial.setting if trial else "")
+    return float(match.group(1)) if match else None
+
+
+def _fix_schedule_code(f: Facts, trial: Trial | None) -> str | None:
+    held = held_rate(f, trial)
+    if held is None:
+        return None
+    rate = f"{held:.4g}"
+    return (
+        f"optimizer.learning_rate = {rate}  # held at the rate before the jump, as the trial\n"
+        f"# or, where you build it: keras.optimizers.{_optimizer_name(f)}(learning_rate={rate})"
+    )
+
+
+def _clip_code(f: Facts, trial: Trial | None) -> str:
+    return f"keras.optimizers.{_optimizer_name(f)}(..., clipnorm={CLIP_NORM!r})"
+
+
+def _epsilon_code(f: Facts, trial: Trial | None) -> str:
+    return f"keras.optimizers.{_optimizer_name(f)}(..., epsilon=1e-4)"
+
+
+def _normalize_code(f: Facts, trial: Trial | None) -> str | None:
+    if f.cause == "input_data":
+        return None
+    return (
+        "norm = keras.layers.Normalization()  # first in the model\n"
+        "norm.adapt(x_train)\n"
+        "inputs = keras.Input(shape=x_train.shape[1:])\n"
+        "x = norm(inputs)  # then the model's layers on x"
+    )
+
+
+def _scale_targets_code(f: Facts, trial: Trial | None) -> str | None:
+    if f.cause == "input_data":
+        return None
+    return (
+        "y_mean, y_std = y_train.mean(axis=0), y_train.std(axis=0)\n"
+        "y_train = (y_train - y_mean) / y_std  # predictions: y_pred * y_std + y_mean"
+    )
+
+
+def _output_activation_code(f: Facts, trial: Trial | None) -> str:
+    return f'outputs = keras.layers.Activation("{probability_activation(f)}")(logits)'
+
+
+def _from_logits_code(f: Facts, trial: Trial | None) -> str:
+    loss = f.loss_name if f.loss_name and f.loss_name[:1].isupper() else "CategoricalCrossentropy"
+    return f"loss=keras.losses.{loss}(from_logits=True)  # and no final sigmoid/softmax"
+
+
+def _clip_predictions_code(f: Facts, trial: Trial | None) -> str:
+    return "y_pred = keras.ops.clip(y_pred, 1e-7, 1 - 1e-7)  # before the log"
+
+
+def _float32_policy_code(f: Facts, trial: Trial | None) -> str:
+    return 'keras.mixed_precision.set_global_policy("float32")  # before building the model'
+
+
+def overflow_layer(f: Facts) -> str | None:
+    """The layer (its path) that overflowed: the verdict's, else the incident's."""
+    for value in (f.evidence.get("layer"), f.incident.get("layer")):
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def _float32_layer(f: Facts) -> str:
+    layer = overflow_layer(f)
+    return (
+        f"Run the layer {layer} in float32: under mixed precision its values went past "
+        "float16's 65504. Give that one layer dtype='float32' where you build it; the "
+        "rest stays in mixed precision."
+    )
+
+
+def _float32_layer_code(f: Facts, trial: Trial | None) -> str:
+    layer = overflow_layer(f)
+    return f'keras.layers.X(..., dtype="float32")  # X: the class of the layer {layer!r}'
+
+
+def _drop_rows_code(f: Facts, trial: Trial | None) -> str:
+    return (
+        "rows = len(x_train)\n"
+        "keep = np.isfinite(x_train.reshape(rows, -1)).all(axis=1)\n"
+        "keep &= np.isfinite(y_train.reshape(rows, -1)).all(axis=1)\n"
+        "x_train, y_train = x_train[keep], y_train[keep]"
+    )
+
+
+def _warmup_code(f: Facts, trial: Trial | None) -> str:
+    match = re.search(r"\((\d+) steps\)", trial.setting if trial else "")
+    steps = match.group(1) if match else "100"
+    lr = _rate_number(f)
+    target = f"{lr:.4g}" if lr is not None else "learning_rate"
+    return (
+        f"keras.optimizers.schedules.CosineDecay(0.0, decay_steps=10**9, "
+        f"warmup_target={target}, warmup_steps={steps})"
+    )
+
+
 # -- the catalogue --------------------------------------------------------------
 
 CATALOGUE: dict[str, Remedy] = {
@@ -452,6 +608,7 @@ CATALOGUE: dict[str, Remedy] = {
             applies=lambda f: f.evidence.get("lr") != 0,  # a rate of 0 cannot be lowered
             trial=changes.ScaleRate(factors=(10, 100, 1000)),
             live=True,
+            code=_lower_lr_code,
         ),
         Remedy(
             "fix_schedule",
@@ -460,6 +617,7 @@ CATALOGUE: dict[str, Remedy] = {
             applies=lambda f: f.number("lr") is not None and f.number("lr_before") is not None,
             trial=changes.HoldRate(),
             live=True,
+            code=_fix_schedule_code,
         ),
         Remedy(
             "clip_gradients",
@@ -469,6 +627,7 @@ CATALOGUE: dict[str, Remedy] = {
             applies=lambda f: f.clip_norm is None or f.clip_norm > CLIP_NORM,
             trial=changes.OptimizerSettings((("clipnorm", CLIP_NORM), ("global_clipnorm", None))),
             live=True,
+            code=_clip_code,
         ),
         Remedy(
             "raise_epsilon",
@@ -477,6 +636,7 @@ CATALOGUE: dict[str, Remedy] = {
             applies=lambda f: f.has_epsilon,
             trial=changes.OptimizerSettings((("epsilon", 1e-4),)),
             live=True,
+            code=_epsilon_code,
         ),
         Remedy(
             "from_logits",
@@ -484,6 +644,7 @@ CATALOGUE: dict[str, Remedy] = {
             _text("Compute the loss from logits (from_logits=True, no final activation)."),
             applies=lambda f: f.reads_probabilities,
             trial=changes.FromLogits(),
+            code=_from_logits_code,
         ),
         Remedy(
             "output_activation",
@@ -493,6 +654,7 @@ CATALOGUE: dict[str, Remedy] = {
             # outputs that already end in a sigmoid/softmax.
             applies=lambda f: f.loss_from_logits is not True and not f.outputs_end_in_probabilities,
             trial=changes.OutputActivation("softmax"),
+            code=_output_activation_code,
         ),
         Remedy(
             "clip_predictions",
@@ -503,6 +665,7 @@ CATALOGUE: dict[str, Remedy] = {
             ),
             applies=lambda f: f.reads_probabilities,
             trial=changes.ClipPredictions(low=1e-7, high=1.0 - 1e-7),
+            code=_clip_predictions_code,
         ),
         Remedy(
             "float32_policy",
@@ -514,6 +677,16 @@ CATALOGUE: dict[str, Remedy] = {
             ),
             applies=lambda f: f.mixed_precision,
             trial=changes.Float32Policy(),
+            code=_float32_policy_code,
+        ),
+        Remedy(
+            "float32_layer",
+            "Run the overflowing layer in float32",
+            _float32_layer,
+            # Under mixed precision, when the layer that overflowed is named.
+            applies=lambda f: f.mixed_precision and overflow_layer(f) is not None,
+            trial=changes.Float32Layer(),
+            code=_float32_layer_code,
         ),
         Remedy(
             "normalize_inputs",
@@ -525,6 +698,7 @@ CATALOGUE: dict[str, Remedy] = {
                 f.cause == "input_data" or (bool(f.far(target=False)) and not f.normalizes_inputs)
             ),
             trial=changes.DataTransform("normalise_inputs", partner="scale_targets"),
+            code=_normalize_code,
         ),
         Remedy(
             "scale_targets",
@@ -535,23 +709,51 @@ CATALOGUE: dict[str, Remedy] = {
                 f.loss_from_logits is None and (f.cause == "input_data" or bool(f.far(target=True)))
             ),
             trial=changes.DataTransform("standardise_targets", partner="normalize_inputs"),
+            code=_scale_targets_code,
         ),
         Remedy(
             "drop_bad_rows",
             "Find and drop the bad rows",
             _drop_bad_rows,
             trial=changes.DataTransform("drop_nonfinite_rows"),
+            code=_drop_rows_code,
         ),
         Remedy(
             "lr_warmup",
             "Warm up the learning rate",
             _text("Add a learning-rate warm-up over the first steps."),
             trial=changes.WarmUp(),
+            code=_warmup_code,
         ),
         Remedy("fix_weights", "Restore clean weights", _fix_weights),  # advice: no trial
         Remedy("fix_code", "Fix the op in the code", _fix_code),  # advice: no trial
     )
 }
 REMEDY_IDS = tuple(CATALOGUE)
+
+
+def _lead(text: str, label: str) -> tuple[str, str]:
+    """A remedy text's lead (before its first colon) and the rest."""
+    lead, colon, rest = text.partition(": ")
+    return (lead, rest) if colon else (label, text)
+
+
+def combination(ids: Sequence[str], facts: Sequence[Facts], trial: Trial | None) -> dict:
+    """A combination of remedies as one remedy: ``{"id", "text", "code"}``,
+    its text both texts joined ("Normalise the inputs and standardise the
+    targets: ..."), its code both codes, in order."""
+    leads, rests, codes = [], [], []
+    for i, (remedy, f) in enumerate(zip(ids, facts, strict=True)):
+        entry = CATALOGUE[remedy]
+        lead, rest = _lead(entry.text(f), entry.label)
+        leads.append(lead if i == 0 else lead[:1].lower() + lead[1:])
+        rests.append(rest)
+        code = entry.code_for(f, trial)
+        if code:
+            codes.append(code)
+    text = f"{' and '.join(leads)} (together: each alone did not fix the run): {' '.join(rests)}"
+    return {"id": combined_id(ids), "text": text, "code": "\n".join(codes) or None}
+
+
 # A short label for each remedy id (the tab's vocabulary).
 REMEDY_LABELS = {remedy.id: remedy.label for remedy in CATALOGUE.values()}

@@ -46,6 +46,10 @@ class Trial:
     ``loss_first``/``loss_last``: the trial's loss at its first and last step
     (None when not known). ``learning``: whether the loss went down over the
     trial (None when not known); a fix that stops learning ranks lower.
+    ``together``: the remedies a combination trial applied at once (e.g.
+    ``["normalize_inputs", "scale_targets"]``; its ``remedy`` is
+    :func:`combined_id` of them); () for a single remedy. A combination is its
+    own remedy: its members keep their own trials.
     """
 
     remedy: str
@@ -56,10 +60,13 @@ class Trial:
     loss_first: float | None = None
     loss_last: float | None = None
     learning: bool | None = None
+    together: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         """The JSON form (``report --json``'s ``trial`` object plus ``remedy``)."""
-        return dataclasses.asdict(self)
+        body = dataclasses.asdict(self)
+        body["together"] = list(self.together)
+        return body
 
     @classmethod
     def from_json(cls, data: object) -> Trial | None:
@@ -79,7 +86,23 @@ class Trial:
             loss_first=_number(data.get("loss_first")),
             loss_last=_number(data.get("loss_last")),
             learning=data.get("learning") if isinstance(data.get("learning"), bool) else None,
+            together=_together(data.get("together")),  # absent in older files: ()
         )
+
+
+def combined_id(remedies: Sequence[str]) -> str:
+    """The id of a combination of remedies (``normalize_inputs+scale_targets``)."""
+    return "+".join(remedies)
+
+
+def _together(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) < 2:
+        return ()
+    return (
+        tuple(v for v in value if isinstance(v, str))
+        if all(isinstance(v, str) for v in value)
+        else ()
+    )
 
 
 def _text(value: object) -> str:
@@ -190,8 +213,9 @@ def _counted(count: int, noun: str) -> str:
 
 def trial_json(trial: Trial) -> dict:
     """A remedy's ``trial`` object in a cause (``report --json``, the card):
-    the trial's fields without ``remedy``, and its ``text``."""
+    the trial's fields without ``remedy`` and ``together`` (a combination's
+    remedy says what it combined), and its ``text``."""
     body = trial.to_json()
-    del body["remedy"]
+    del body["remedy"], body["together"]
     body["text"] = trial_text(trial)
     return body

@@ -109,9 +109,14 @@ class NanWatch(keras.callbacks.Callback):
         rewind_every: take a rewind point (a host copy of the weights and the
             optimizer's state, plus the batches since) every N steps; the last
             two are kept. The remedy trials start from it (0: never).
-        rewind_memory_mb: the most host memory the rewind points may hold;
-            above it no rewind point is kept and the trials that need one say
+        rewind_memory_mb: the most host memory the rewind points may hold
+            at once (one snapshot, written to disk in the background, on a
+            local run dir; two on a remote one; plus the batch ring); above it
+            no rewind point is kept and the trials that need one say
             ``not_tried`` and why.
+        rewind_disk_mb: the most disk the rewind points may use under the run
+            dir (4 x the weights and optimizer state, plus the batch ring);
+            above it no rewind point is kept, and why is said once.
         remedy_trials: after training stops at an incident or an explosion,
             try each applicable remedy on a copy of the model and report which
             kept the run finite (False: off).
@@ -135,6 +140,7 @@ class NanWatch(keras.callbacks.Callback):
         min_loss_scale: float = WatchOptions.min_loss_scale,
         rewind_every: int = WatchOptions.rewind_every,
         rewind_memory_mb: float = WatchOptions.rewind_memory_mb,
+        rewind_disk_mb: float = WatchOptions.rewind_disk_mb,
         remedy_trials: bool = WatchOptions.remedy_trials,
         trial_budget_s: float = WatchOptions.trial_budget_s,
         max_skips: int = WatchOptions.max_skips,

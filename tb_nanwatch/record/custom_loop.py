@@ -112,7 +112,7 @@ class StepWatcher:
             accumulation (see the module docstring); 1 without.
         on_nonfinite, window, max_consecutive_skips, min_loss_scale,
         snapshot_every, flush_secs, pre_step_weights, explosion_factor,
-        rewind_every, rewind_memory_mb, remedy_trials, trial_budget_s,
+        rewind_every, rewind_memory_mb, rewind_disk_mb, remedy_trials, trial_budget_s,
         max_skips, max_rewinds: as for
             :class:`~tb_nanwatch.record.callback.NanWatch`. With ``"stop"``,
             :meth:`end_step` returns True; with ``"raise"`` it raises
@@ -143,6 +143,7 @@ class StepWatcher:
         min_loss_scale: float = WatchOptions.min_loss_scale,
         rewind_every: int = WatchOptions.rewind_every,
         rewind_memory_mb: float = WatchOptions.rewind_memory_mb,
+        rewind_disk_mb: float = WatchOptions.rewind_disk_mb,
         remedy_trials: bool = WatchOptions.remedy_trials,
         trial_budget_s: float = WatchOptions.trial_budget_s,
         max_skips: int = WatchOptions.max_skips,

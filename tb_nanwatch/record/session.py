@@ -37,9 +37,14 @@ import tensorflow as tf
 from tb_nanwatch.evidence import causes
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.printable import printable, printable_lines
+from tb_nanwatch.evidence.run_dir_box import is_remote
 from tb_nanwatch.record.after_incident import bundle, follow_up, replay, rewind_points, trials
 from tb_nanwatch.record.after_incident.recovery import Recovery
-from tb_nanwatch.record.after_incident.rewind_points import RewindNotTaken, RewindRing
+from tb_nanwatch.record.after_incident.rewind_points import (
+    RewindNotTaken,
+    RewindRing,
+    SnapshotDisk,
+)
 from tb_nanwatch.record.in_step.recorder import StepRecorder
 from tb_nanwatch.record.in_step.taps import variable_path
 from tb_nanwatch.record.writing import crash_safety
@@ -376,8 +381,15 @@ class WatchSession:
         # Rewind points: snapshots every rewind_every steps (None when off).
         self.rewind: RewindRing | None = None
         if options.rewind_every:
+            # A local run dir: each snapshot to a file, written in the background.
+            disk = None
+            if not is_remote(self.log_dir):
+                disk = SnapshotDisk(self.log_dir, options.rewind_disk_mb)
             self.rewind = RewindRing(
-                options.rewind_every, options.rewind_memory_mb, recorder.steps_per_execution
+                options.rewind_every,
+                options.rewind_memory_mb,
+                recorder.steps_per_execution,
+                disk,
             )
             recorder.use_rewind_points(self.rewind)
         # "skip"/"rewind": the compiled step undoes a non-finite step; the
@@ -664,6 +676,14 @@ class WatchSession:
         for the record, the trials run after the record is safe on disk (they
         take a while; ``record/after_incident/follow_up.py``)."""
         self.closed = True
+        try:
+            self._close_and_try(status)
+        finally:
+            ring = getattr(self, "rewind", None)
+            if ring is not None:
+                ring.close()  # the snapshot files go; the saved rewind point stays
+
+    def _close_and_try(self, status: str | None) -> None:
         if self.journal is None or self.journal.closed:
             return
         self.settled_journal()  # a failure of the worker thread is warned about, not lost

@@ -15,7 +15,8 @@ applies). A rule's test is a verdict test, a sign test, or both:
   verdict is the candidate whose remedy fixed the run, else the first::
 
       {"id": str, "summary": str, "evidence": {name: number | str | list},
-       "remedies": [{"id": str, "text": str, "trial": {...} | None}, ...],
+       "remedies": [{"id": str, "text": str, "code": str | None,
+                     "trial": {...} | None}, ...],
        "remedy_ids": [remedy id, ...], "candidates": [cause id, ...],
        "decided_by": "trials" | "rule_order", "verdict": str,
        "fixed": bool | None}
@@ -25,7 +26,11 @@ applies). A rule's test is a verdict test, a sign test, or both:
   that were tried and did not help (:func:`tb_nanwatch.evidence.trials.rank`;
   a ``trial`` is :func:`tb_nanwatch.evidence.trials.trial_json`). ``verdict``
   says what the trials showed ("" without trials; "Untested: ..." when none
-  could run), and ends ``summary``;
+  could run), and ends ``summary``. ``code``: what the remedy's trial did as
+  code to paste, with the trial's numbers (None for advice). A combination
+  trial (two remedies tried together) is one remedy of its own, id
+  ``a+b``, with ``together: [a, b]``, both texts joined and both codes; the
+  single remedies keep their own trials;
 
 * **sign** (:func:`compute_hints`): a hint on the incident card, given only
   when the data supports it, every sign that holds, in table order::
@@ -71,7 +76,7 @@ Pure Python and NumPy, no TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tb_nanwatch.evidence import remedies, trials
 from tb_nanwatch.evidence.causes import data, growth, math_errors, optimizer, precision
@@ -241,7 +246,7 @@ RULES: tuple[Rule, ...] = (
         "fp16_overflow",
         "float16 overflow",
         verdict=precision.fp16_overflow,
-        remedies=(Offer("float32_policy"), Offer("normalize_inputs")),
+        remedies=(Offer("float32_layer"), Offer("float32_policy"), Offer("normalize_inputs")),
     ),
     Rule(
         "forward_math",
@@ -454,13 +459,16 @@ def _verdict(case: Case, found: list[tuple[Rule, Finding]]) -> dict:
         offers[rule.id] = offered(rule, facts)
         for remedy in offers[rule.id]:
             owner.setdefault(remedy, facts)
-    tried = trials.by_remedy(case.rec.trials)
-    ids = trials.rank(list(owner), case.rec.trials)
+    recorded = _split_legacy(case.rec.trials)
+    tried = trials.by_remedy(recorded)
+    together = _combinations(list(owner), recorded)
+    ids = trials.rank(_with_combinations(list(owner), together), recorded)
     ran = [i for i in ids if i in tried and tried[i].outcome in RAN]
     fixed = [i for i in ran if tried[i].outcome == "fixed"]
     chosen = candidates[0]
     if fixed:
-        chosen = next(c for c in candidates if fixed[0] in offers[c[0].id])
+        first = together.get(fixed[0], (fixed[0],))[0]
+        chosen = next(c for c in candidates if first in offers[c[0].id])
         decided_by = "trials"
     else:
         decided_by = "trials" if ran else "rule_order"
@@ -471,20 +479,77 @@ def _verdict(case: Case, found: list[tuple[Rule, Finding]]) -> dict:
         "id": rule.id,
         "summary": summary,
         "evidence": dict(facts.evidence),
-        "remedies": [
-            {
-                "id": i,
-                "text": remedies.CATALOGUE[i].text(owner[i]),
-                "trial": trials.trial_json(tried[i]) if i in tried else None,
-            }
-            for i in ids
-        ],
+        "remedies": [_remedy(i, owner, together, tried.get(i)) for i in ids],
         "remedy_ids": ids,
         "candidates": [c[0].id for c in candidates],
         "decided_by": decided_by,
         "verdict": verdict,
         "fixed": bool(fixed) if ran else None,
     }
+
+
+# How a trials file written before combinations were their own remedy began
+# the ``why`` of a remedy whose trial was the combination.
+LEGACY_TOGETHER = "alone it did not help: "
+
+
+def _split_legacy(tried: Sequence[trials.Trial]) -> list[trials.Trial]:
+    """Older trials files recorded a combination under its first remedy (its
+    setting ``A + B``, its why ``alone it did not help: ...``): the single
+    remedy gets back its own outcome (did not help) and the combination
+    becomes its own trial."""
+    out = list(tried)
+    for i, trial in enumerate(tried):
+        change = getattr(remedies.CATALOGUE.get(trial.remedy), "trial", None)
+        partner = getattr(change, "partner", None)
+        if trial.together or not partner or not trial.why.startswith(LEGACY_TOGETHER):
+            continue
+        alone = trial.why.removeprefix(LEGACY_TOGETHER)
+        setting = trial.setting.split(" + ")[0]
+        out[i] = trials.Trial(trial.remedy, "not_fixed", setting=setting, why=alone)
+        pair = tuple(r for r in remedies.REMEDY_IDS if r in (trial.remedy, partner))
+        combined = dataclasses.replace(
+            trial, remedy=trials.combined_id(pair), why="", together=pair
+        )
+        if all(t.remedy != combined.remedy for t in out):
+            out.append(combined)
+    return out
+
+
+def _combinations(ids: list[str], tried: Sequence[trials.Trial]) -> dict[str, tuple[str, ...]]:
+    """The combination trials whose remedies are all offered: {its id: the remedies}."""
+    return {t.remedy: t.together for t in tried if t.together and all(r in ids for r in t.together)}
+
+
+def _with_combinations(ids: list[str], together: dict[str, tuple[str, ...]]) -> list[str]:
+    """``ids`` with each combination after the last of its remedies."""
+    out = list(ids)
+    for combined, members in together.items():
+        out.insert(max(out.index(m) for m in members) + 1, combined)
+    return out
+
+
+def _remedy(
+    remedy: str,
+    owner: dict[str, Facts],
+    together: dict[str, tuple[str, ...]],
+    trial: trials.Trial | None,
+) -> dict:
+    """One ranked remedy of a verdict: ``{"id", "text", "code", "trial"}`` (a
+    combination: ``together`` too, its text and code both remedies')."""
+    if remedy in together:
+        members = together[remedy]
+        body = remedies.combination(members, [owner[m] for m in members], trial)
+        body["together"] = list(members)
+    else:
+        entry = remedies.CATALOGUE[remedy]
+        body = {
+            "id": remedy,
+            "text": entry.text(owner[remedy]),
+            "code": entry.code_for(owner[remedy], trial),
+        }
+    body["trial"] = trials.trial_json(trial) if trial is not None else None
+    return body
 
 
 # The most trials the verdict's sentence quotes.

@@ -240,6 +240,7 @@ class Recovery:
         ring = self.session.rewind
         if ring is None:
             return None, "rewind points are off (rewind_every=0)"
+        ring.settle(wait=True)  # a snapshot still being written counts
         if ring.not_taken_why is not None:
             return None, f"no rewind point is kept ({ring.not_taken_why})"
         kept = [s for s in ring.snapshots if s.step <= step]
@@ -254,10 +255,7 @@ class Recovery:
 
     def _drop_snapshots_after(self, step: int) -> None:
         """The snapshots after the rewound one hold the failing run's state."""
-        snapshots = self.session.rewind.snapshots
-        kept = [s for s in snapshots if s.step <= step]
-        snapshots.clear()
-        snapshots.extend(kept)
+        self.session.rewind.drop_after(step)
 
     # -- remedies -------------------------------------------------------------------------
 
@@ -286,7 +284,10 @@ class Recovery:
 
     def _choose_remedy(self) -> tuple[LiveChange | None, str]:
         """The best remedy whose trial said ``fixed`` that this run can take
-        and that is not set yet, or None and why there is none."""
+        and that is not set yet, or None and why there is none. In the order
+        of :func:`evidence_trials.rank`: the first *learning* fix (its loss
+        kept going down) that a live run can take; a fix that stopped learning
+        only when no learning fix can be set live."""
         if not self.trials:
             if not self.options.remedy_trials:
                 return None, "the remedy trials are off (remedy_trials=False)"

@@ -15,9 +15,22 @@ it through the incident go to ``<run dir>/repro/rewind/`` (``rewind.npz`` and
 explosion is saved again at a later incident with the batches through it
 (while the ring still holds them), so the trials re-run the whole span.
 
-Memory: weights + optimizer state, twice, plus the batch ring, at most
-``rewind_memory_mb``; above it no snapshot is kept and ``not_taken_why`` says
-why. No TensorFlow import here: the variables are read through ``numpy()``.
+On a local run dir (:class:`SnapshotDisk`) each snapshot goes to a file: the
+host copy of the variables is read at the step boundary (``numpy()``), then a
+background thread writes it to ``<run dir>/.nanwatch-rewind-*/snap_<step>_<n>.npz``
+and releases it; the step never waits for the writer. At most one snapshot is
+in host memory at a time (a snapshot due while the last is still being
+written waits for the next step); a snapshot counts only once its file is
+complete, and the file it replaces is removed only then. The folder is
+removed when the run ends (:meth:`RewindRing.close`). A remote run dir
+(``gs://``) keeps both snapshots in host memory, as before.
+
+Memory (``rewind_memory_mb``): what is held in host memory at once plus the
+batch ring: on disk, one snapshot (weights + optimizer state); in memory, two.
+Disk (``rewind_disk_mb``, on disk only): four snapshots' worth (the two kept,
+the one being written and the saved rewind point) plus the batch ring. Above
+either no snapshot is kept and ``not_taken_why`` says why (one warning). No
+TensorFlow import here: the variables are read through ``numpy()``.
 """
 
 from __future__ import annotations
@@ -29,8 +42,12 @@ import json
 import math
 import os
 import posixpath
+import shutil
+import tempfile
 import threading
 import warnings
+import zipfile
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -51,6 +68,12 @@ MAX_META_BYTES = 16 << 20
 DEFAULT_MAX_LOAD_BYTES = 4 << 30
 # Per array: the .npy header and the zip entry around it.
 _ARRAY_OVERHEAD = 4096
+
+# The folder of a run's snapshot files, below the run dir (one per ring).
+SNAPSHOT_PREFIX = ".nanwatch-rewind-"
+# Snapshots' worth of disk a ring may use at once: the two kept, the one being
+# written and the saved rewind point.
+DISK_SNAPSHOTS = 4
 
 # Files this process wrote (the only ones save_rewind_point overwrites).
 _created: set[str] = set()
@@ -131,10 +154,14 @@ def save_rewind_point(run_dir: str, point: RewindPoint) -> str:
         "bytes": int(sum(a.nbytes for a in arrays.values())),
         "info": point.info,
     }
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
     directory = _directory_for_writing(run_dir)
-    _write_new(posixpath.join(directory, ARRAYS_FILE), buffer.getvalue())
+    if is_remote(directory):
+        buffer = io.BytesIO()
+        write_arrays(buffer, arrays.items())
+        data: bytes | Callable = buffer.getvalue()
+    else:  # straight into the file: no second copy in memory
+        data = lambda f: write_arrays(f, arrays.items())  # noqa: E731
+    _write_new(posixpath.join(directory, ARRAYS_FILE), data)
     _write_new(posixpath.join(directory, META_FILE), json.dumps(meta, indent=1).encode())
     return REWIND_DIR
 
@@ -164,6 +191,15 @@ def load_rewind_point(path: str, max_bytes: int = DEFAULT_MAX_LOAD_BYTES) -> Rew
         info=dict(meta.get("info") or {}),
         losses=_read_losses(meta.get("losses"), steps),
     )
+
+
+def write_arrays(file: Any, items: Iterable[tuple[str, np.ndarray]]) -> None:
+    """An ``.npz`` (uncompressed, as ``np.savez`` writes; no pickles) of
+    ``items`` into the open binary ``file``, one array at a time."""
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for key, value in items:
+            with archive.open(f"{key}.npy", "w", force_zip64=True) as entry:
+                np.lib.format.write_array(entry, np.asarray(value), allow_pickle=False)
 
 
 def _jsonable_loss(value: float | None) -> float | str | None:
@@ -292,15 +328,16 @@ def _directory_for_writing(run_dir: str) -> str:
     return directory
 
 
-def _write_new(path: str, data: bytes) -> None:
-    """Writes ``path``, which must not exist unless this process wrote it."""
+def _write_new(path: str, data: bytes | Callable[[Any], None]) -> None:
+    """Writes ``path``, which must not exist unless this process wrote it
+    (``data``: the bytes, or a function writing into the open file)."""
     with _created_lock:
         if is_remote(path):
             fs = gfile()
             if fs.exists(path) and path not in _created:
                 raise FileExistsError(f"{path} exists and is not NanWatch's; not overwritten")
             with fs.GFile(path, "wb") as f:
-                f.write(data)
+                data(f) if callable(data) else f.write(data)
         else:
             if os.path.lexists(path):
                 if path not in _created or os.path.islink(path):
@@ -308,21 +345,97 @@ def _write_new(path: str, data: bytes) -> None:
                 os.unlink(path)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
             with os.fdopen(os.open(path, flags, 0o644), "wb") as f:
-                f.write(data)
+                data(f) if callable(data) else f.write(data)
         _created.add(path)
 
 
 # -- in the training process -------------------------------------------------------------
 
 
-@dataclasses.dataclass
 class Snapshot:
-    """The host copy of the state before step ``step``."""
+    """The state before step ``step``: held on the host, or (once
+    :meth:`to_file` wrote it) in a file, read back when ``weights`` or
+    ``optimizer`` is asked for."""
 
-    step: int
-    weights: dict[str, np.ndarray]
-    optimizer: dict[str, np.ndarray]
-    optimizer_built: bool
+    def __init__(
+        self,
+        step: int,
+        weights: dict[str, np.ndarray],
+        optimizer: dict[str, np.ndarray],
+        optimizer_built: bool,
+    ) -> None:
+        self.step = step
+        self.optimizer_built = optimizer_built
+        self.names = (list(weights), list(optimizer))
+        self.nbytes = sum(a.nbytes for part in (weights, optimizer) for a in part.values())
+        self.path: str | None = None
+        self._held: tuple[dict, dict] | None = (weights, optimizer)
+
+    @property
+    def weights(self) -> dict[str, np.ndarray]:
+        return self._part(0)
+
+    @property
+    def optimizer(self) -> dict[str, np.ndarray]:
+        return self._part(1)
+
+    def _part(self, which: int) -> dict[str, np.ndarray]:
+        held = self._held
+        if held is not None:
+            return held[which]
+        prefix = "wo"[which]
+        with np.load(self.path, allow_pickle=False) as npz:
+            return {name: npz[f"{prefix}/{i}"] for i, name in enumerate(self.names[which])}
+
+    def to_file(self, path: str) -> None:
+        """Writes the held arrays to the new file ``path`` (never following a
+        link), then lets them go: read back from the file from then on."""
+        weights, optimizer = self._held
+        items = [(f"w/{i}", a) for i, a in enumerate(weights.values())]
+        items += [(f"o/{i}", a) for i, a in enumerate(optimizer.values())]
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        with os.fdopen(os.open(path, flags, 0o600), "wb") as f:
+            write_arrays(f, items)
+        self.path = path
+        self._held = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotDisk:
+    """Where a ring writes its snapshots (a local run dir) and its disk budget."""
+
+    run_dir: str
+    disk_mb: float
+
+
+def write_snapshot(snapshot: Snapshot, path: str) -> None:
+    """The background writer's work (a module function: tests slow it down)."""
+    snapshot.to_file(path)
+
+
+class _Writing:
+    """A snapshot being written by its background thread."""
+
+    def __init__(self, snapshot: Snapshot, path: str) -> None:
+        self.snapshot, self.path = snapshot, path
+        self.error: BaseException | None = None
+        self.discard = False
+        self.thread = threading.Thread(target=self._run, name="nanwatch-rewind-writer")
+        self.thread.daemon = True
+
+    def _run(self) -> None:
+        try:
+            write_snapshot(self.snapshot, self.path)
+        except BaseException as error:  # noqa: BLE001 - said by the ring, never raised here
+            self.error = error
+
+
+def _remove(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 class RewindRing:
@@ -334,8 +447,18 @@ class RewindRing:
     :meth:`take_initial` when it builds the step.
     """
 
-    def __init__(self, every: int, memory_mb: float, steps_per_execution: int = 1) -> None:
+    def __init__(
+        self,
+        every: int,
+        memory_mb: float,
+        steps_per_execution: int = 1,
+        disk: SnapshotDisk | None = None,
+    ) -> None:
         self.every = int(every)
+        self.disk = disk
+        self._writing: _Writing | None = None
+        self._folder: str | None = None
+        self._written = 0
         self.slots = ring_slots(self.every, steps_per_execution)
         self.max_bytes = int(memory_mb * (1 << 20))
         self.snapshots: collections.deque[Snapshot] = collections.deque(maxlen=2)
@@ -363,7 +486,9 @@ class RewindRing:
         self.take(0, model, optimizer, device)
 
     def due(self, steps_done: int) -> bool:
-        """Whether a snapshot is due after ``steps_done`` steps."""
+        """Whether a snapshot is due after ``steps_done`` steps (and a
+        snapshot whose file is complete joins the kept ones)."""
+        self.settle()
         return self.not_taken_why is None and steps_done >= self.next_step
 
     def take(self, steps_done: int, model, optimizer, device) -> None:
@@ -384,23 +509,98 @@ class RewindRing:
         weights = _model_variables(model)
         built = optimizer is not None and bool(getattr(optimizer, "built", False))
         slots = _optimizer_variables(optimizer) if built else []
-        state = 2 * (_nbytes(weights) + _nbytes(slots))
-        if state + ring.nbytes() > self.max_bytes:
-            self.give_up(
-                f"the weights and optimizer state (twice: {state / 2**20:.1f} MB) and the batch "
-                f"ring ({ring.nbytes() / 2**20:.1f} MB) exceed rewind_memory_mb "
-                f"({self.max_bytes / 2**20:.1f} MB)",
-                device,
-            )
+        why = self._over_budget(_nbytes(weights) + _nbytes(slots), ring.nbytes())
+        if why:
+            self.give_up(why, device)
             return
-        self.snapshots.append(Snapshot(steps_done, _read(weights), _read(slots), built))
+        if self.disk is None:
+            self.snapshots.append(Snapshot(steps_done, _read(weights), _read(slots), built))
+        elif self._writing is not None:
+            return  # the last one is still being written: due again at the next step
+        else:
+            self._write_in_background(Snapshot(steps_done, _read(weights), _read(slots), built))
         self.next_step = steps_done + self.every
+
+    def _over_budget(self, state: int, ring: int) -> str | None:
+        """Why a snapshot of ``state`` bytes (with a batch ring of ``ring``
+        bytes) is over the memory or the disk budget, or None."""
+        held, what = (state, "once") if self.disk else (2 * state, "twice")
+        if held + ring > self.max_bytes:
+            return (
+                f"the weights and optimizer state ({what}: {held / 2**20:.1f} MB) and the batch "
+                f"ring ({ring / 2**20:.1f} MB) exceed rewind_memory_mb "
+                f"({self.max_bytes / 2**20:.1f} MB)"
+            )
+        disk = DISK_SNAPSHOTS * state + ring
+        if self.disk is not None and disk > self.disk.disk_mb * (1 << 20):
+            return (
+                f"the rewind points' files ({disk / 2**20:.1f} MB: {DISK_SNAPSHOTS} x the weights "
+                f"and optimizer state, {state / 2**20:.1f} MB, plus the batch ring) exceed "
+                f"rewind_disk_mb ({self.disk.disk_mb:g} MB)"
+            )
+        return None
+
+    # -- the files ---------------------------------------------------------------------
+
+    def _write_in_background(self, snapshot: Snapshot) -> None:
+        if self._folder is None:
+            os.makedirs(self.disk.run_dir, exist_ok=True)
+            self._folder = tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX, dir=self.disk.run_dir)
+        self._written += 1
+        path = os.path.join(self._folder, f"snap_{snapshot.step}_{self._written}.npz")
+        self._writing = _Writing(snapshot, path)
+        self._writing.thread.start()
+
+    def settle(self, wait: bool = False) -> None:
+        """The snapshot being written joins the kept ones once its file is
+        complete (``wait``: waits for it); the file it replaces is removed."""
+        writing = self._writing
+        if writing is None or (writing.thread.is_alive() and not wait):
+            return
+        writing.thread.join()
+        self._writing = None
+        if writing.discard or writing.error is not None:
+            _remove(writing.path)
+            if writing.error is not None:
+                self.give_up(f"could not write the snapshot to disk: {writing.error!r}")
+            return
+        if len(self.snapshots) == self.snapshots.maxlen:
+            _remove(self.snapshots[0].path)
+        self.snapshots.append(writing.snapshot)
+
+    def drop_after(self, step: int) -> None:
+        """Forgets the snapshots after ``step`` (after a rewind to ``step``
+        they hold the failing run's state), the one being written included."""
+        if self._writing is not None:
+            self._writing.discard = True
+            self.settle(wait=True)
+        kept = [s for s in self.snapshots if s.step <= step]
+        for s in self.snapshots:
+            if s.step > step:
+                _remove(s.path)
+        self.snapshots.clear()
+        self.snapshots.extend(kept)
+
+    def close(self) -> None:
+        """The end of the run: waits for the writer, removes the snapshot files
+        and their folder (the saved rewind point stays). Never raises."""
+        if self._writing is not None:
+            self._writing.discard = True
+            self.settle(wait=True)
+        self.snapshots.clear()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
 
     def give_up(self, why: str, device=None) -> None:
         """No rewind points from now on (one warning saying ``why``)."""
         if self.not_taken_why is not None:
             return
         self.not_taken_why = why
+        if self._writing is not None:
+            self._writing.discard = True
+        for snapshot in self.snapshots:
+            _remove(snapshot.path)
         self.snapshots.clear()
         if device is not None and device.ring is not None:
             try:
@@ -431,6 +631,7 @@ class RewindRing:
                 self._extend(run_dir, device, through)
             return self.saved
         self.tried = True
+        self.settle(wait=True)  # the newest snapshot counts; one on the host at a time
         if self.not_taken_why is not None:
             raise RewindNotTaken(self.not_taken_why)
         snapshot, before_onset = self._choose(through, onset)
@@ -533,7 +734,12 @@ def _dtype_name(v) -> str:
 
 
 def _value(v) -> np.ndarray:
-    return np.array(v.numpy(), copy=True)
+    """The variable's value now, in an array of its own (Keras 3's ``numpy()``
+    already is one; a view of a tensor's buffer is copied)."""
+    value = v.numpy()
+    if isinstance(value, np.ndarray) and value.flags.owndata and value.flags.writeable:
+        return value
+    return np.array(value, copy=True)
 
 
 def _read(variables: list) -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ here:
   ``standardise_targets`` standardises each target with its recorded mean and
   standard deviation, ``drop_nonfinite_rows`` leaves out every row holding NaN/Inf;
 * :class:`~tb_nanwatch.evidence.changes.Float32Policy`,
+  :class:`~tb_nanwatch.evidence.changes.Float32Layer` (the one named layer),
   :class:`~tb_nanwatch.evidence.changes.FromLogits`,
   :class:`~tb_nanwatch.evidence.changes.ClipPredictions`,
   :class:`~tb_nanwatch.evidence.changes.OutputActivation` (the loss sees the
@@ -47,6 +48,7 @@ class Recorded:
     batches: list[list]
     rate_before: float | None
     warmup_steps: int
+    layer: str | None = None  # the layer that overflowed (the verdict's, else the incident's)
 
 
 def change_of(remedy: str) -> changes.Change | None:
@@ -131,6 +133,12 @@ def _float32(change: changes.Float32Policy, recorded: Recorded) -> list[Variant]
     return [Variant("float32 policy", float32=True)]
 
 
+def _float32_layer(change: changes.Float32Layer, recorded: Recorded) -> list[Variant]:
+    if not recorded.layer:
+        raise TrialSkipped("no layer is named for the overflow")
+    return [Variant(f"layer {recorded.layer} in float32", float32_layers=(recorded.layer,))]
+
+
 def _from_logits(change: changes.FromLogits, recorded: Recorded) -> list[Variant]:
     return [Variant("from_logits=True, final sigmoid/softmax removed", from_logits=True)]
 
@@ -211,6 +219,7 @@ _VARIANTS: dict[type, Callable[..., list[Variant]]] = {
     changes.WarmUp: _warmup,
     changes.DataTransform: _transformed,
     changes.Float32Policy: _float32,
+    changes.Float32Layer: _float32_layer,
     changes.FromLogits: _from_logits,
     changes.ClipPredictions: _clip_predictions,
     changes.OutputActivation: _output_activation,

@@ -21,14 +21,19 @@ sigmoid/softmax removed).
 
 :class:`TrainedState` copies every variable of the model (``model.variables``,
 seed states included, and its metrics' variables) and of the optimizer, and
-the optimizer's learning-rate object and settings, before the trials; the
-trials restore it after every trial and at the end, so the user's model and
-optimizer hold exactly their trained state afterwards.
+the optimizer's learning-rate object and settings, before the trials (to a
+temporary file when above ``rewind_memory_mb``); the trials restore it after
+every trial and at the end, so the user's model and optimizer hold exactly
+their trained state afterwards.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_nanwatch.record.after_incident.bundle import match_arrays
+from tb_nanwatch.record.after_incident.rewind_points import write_arrays
 
 _CROSSENTROPY = {
     "binary_crossentropy": keras.losses.BinaryCrossentropy,
@@ -75,11 +81,14 @@ class Variant:
     clip_predictions: tuple[float, float] | None = None
     transform: Callable[[list], list | None] | None = None
     output_activation: str | None = None
+    # Layers (recorded paths, or names) the copy runs in float32, the rest in
+    # the model's own policy.
+    float32_layers: tuple[str, ...] = ()
 
     @property
     def needs_copy(self) -> bool:
         """Whether the change cannot run on the user's model (a copy does)."""
-        return self.float32 or self.from_logits
+        return self.float32 or self.from_logits or bool(self.float32_layers)
 
 
 @dataclasses.dataclass
@@ -277,16 +286,35 @@ def keyed(variables: list) -> list[tuple[str, Any]]:
 
 
 class TrainedState:
-    """The trained state of the user's model and optimizer, on the host:
-    every variable (the model's, its metrics', the optimizer's), the
-    optimizer's learning-rate object and settings. :meth:`restore` puts it back."""
+    """The trained state of the user's model and optimizer: every variable
+    (the model's, its metrics', the optimizer's), the optimizer's
+    learning-rate object and settings. :meth:`restore` puts it back.
 
-    def __init__(self, model: Any, optimizer: Any) -> None:
+    Up to ``max_bytes`` of variables (the trials pass ``rewind_memory_mb``;
+    None: no limit) the values are held on the host. Above it they are
+    written once, one variable at a time, to a file in a private temporary
+    folder and read back one variable at a time at each :meth:`restore`:
+    never a second full host copy of a large model. :meth:`close` removes
+    the file.
+    """
+
+    def __init__(self, model: Any, optimizer: Any, max_bytes: int | None = None) -> None:
         variables = [*model_variables(model), *getattr(model, "metrics_variables", [])]
         variables += optimizer_variables(optimizer)
         seen: set[int] = set()
         self.variables = [v for v in variables if not (id(v) in seen or seen.add(id(v)))]
-        self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
+        self.values: list[np.ndarray] | None = None
+        self.file: str | None = None
+        size = sum(
+            math.prod(int(d) for d in v.shape) * tf.as_dtype(v.dtype).size for v in self.variables
+        )
+        if max_bytes is None or size <= max_bytes:
+            self.values = [np.array(v.numpy(), copy=True) for v in self.variables]
+        else:
+            folder = tempfile.mkdtemp(prefix="nanwatch-trained-")
+            self.file = os.path.join(folder, "trained.npz")
+            with open(self.file, "xb") as f:
+                write_arrays(f, ((str(i), v.numpy()) for i, v in enumerate(self.variables)))
         holders = [] if optimizer is None or isinstance(optimizer, dict) else [optimizer]
         if holders and _inner(optimizer) is not optimizer:
             holders.append(_inner(optimizer))
@@ -301,8 +329,19 @@ class TrainedState:
         for holder, name, value in self.attributes:
             if getattr(holder, name) is not value:
                 object.__setattr__(holder, name, value)
-        for variable, value in zip(self.variables, self.values, strict=True):
-            variable.assign(value)
+        if self.values is not None:
+            for variable, value in zip(self.variables, self.values, strict=True):
+                variable.assign(value)
+            return
+        with np.load(self.file, allow_pickle=False) as npz:
+            for i, variable in enumerate(self.variables):
+                variable.assign(npz[str(i)])
+
+    def close(self) -> None:
+        """Removes the file of a large state (never raises)."""
+        if self.file is not None:
+            shutil.rmtree(os.path.dirname(self.file), ignore_errors=True)
+            self.file = None
 
 
 def assign_start(source: keras.Model, target: keras.Model, start: Start) -> None:
@@ -366,16 +405,20 @@ def optimizer_config(optimizer: Any) -> dict:
 def clone(model: keras.Model, variant: Variant) -> keras.Model:
     """A copy of ``model``'s structure: in float32 for ``variant.float32``,
     without a final sigmoid/softmax for ``variant.from_logits``."""
-    if not (variant.float32 or variant.from_logits):
+    if not (variant.float32 or variant.from_logits or variant.float32_layers):
         try:
             return keras.models.clone_model(model)
         except Exception as error:  # noqa: BLE001 - e.g. a subclassed model without get_config
             raise TrialSkipped(f"the model cannot be copied ({short(error)})") from None
     finals = {id(layer) for layer in final_layers(model)} if variant.from_logits else set()
+    named = variant.float32_layers
+    layers = model._flatten_layers(include_self=False, recursive=True)
+    if named and not any(_named(layer, named) for layer in layers):
+        raise TrialSkipped(f"the model has no layer {named[0]} to run in float32")
 
     def copy(layer: keras.layers.Layer) -> keras.layers.Layer:
         config = layer.get_config()
-        if variant.float32 and "dtype" in config:
+        if (variant.float32 or _named(layer, variant.float32_layers)) and "dtype" in config:
             config["dtype"] = "float32"
         if id(layer) in finals and config.get("activation") in _PROBABILITY_ACTIVATIONS:
             config["activation"] = "linear"
@@ -385,6 +428,13 @@ def clone(model: keras.Model, variant: Variant) -> keras.Model:
         return keras.models.clone_model(model, clone_function=copy, recursive=True)
     except Exception as error:  # noqa: BLE001
         raise TrialSkipped(f"the model cannot be copied ({short(error)})") from None
+
+
+def _named(layer: keras.layers.Layer, paths: tuple[str, ...]) -> bool:
+    """Whether ``layer`` is one of ``paths`` (a recorded path ends in its name)."""
+    name = getattr(layer, "name", None)
+    path = getattr(layer, "path", None) or name
+    return any(p in (name, path) or p.rsplit("/", 1)[-1] == name for p in paths)
 
 
 def final_layers(model: keras.Model) -> list[keras.layers.Layer]:

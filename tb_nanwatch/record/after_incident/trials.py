@@ -49,7 +49,11 @@ not go down (the last pass over the batches against the first) has
 ``learning`` False. When the baseline does not fail, no trial can tell a fix
 and every remedy is ``not_tried``. All trials share one wall-clock budget
 (``trial_budget_s``), checked between steps; a trial never raises (a failure
-is a warning and ``not_tried``).
+is a warning and ``not_tried``). The budget scales with the step time: the
+no-remedy re-run's second step (the first one traces) is timed, and when
+every trial's full episode at that pace (the remedies plus the re-run,
+``steps x step time`` each) needs more than ``trial_budget_s``, the budget
+becomes that, at most :data:`MAX_BUDGET_SCALE` x ``trial_budget_s``.
 """
 
 from __future__ import annotations
@@ -104,6 +108,8 @@ ATOL = 1e-6
 LEVEL_SHARE = 0.5
 # A trial is "learning" when its loss fell by at least this fraction.
 LEARNING_DROP = 0.05
+# The most the trials' budget grows for slow steps, x trial_budget_s.
+MAX_BUDGET_SCALE = 4.0
 # Above this much variable memory the model is not copied for trials.
 MAX_TRIAL_BYTES = 2 * 1024**3
 # The explosion signals a trial can follow (others: the loss).
@@ -186,7 +192,7 @@ def run_trials(
     try:
         if optimizer is not None and not getattr(optimizer, "built", True):
             optimizer.build(model.trainable_variables)  # as its first step would: fresh state
-        trained = TrainedState(model, optimizer)
+        trained = TrainedState(model, optimizer, int(options.rewind_memory_mb * 2**20))
     except Exception as error:  # noqa: BLE001 - without a copy of the state, no trial
         why = f"the trained state could not be kept ({short(error)})"
         trials.extend(Trial(r, "not_tried", why=why) for r in ids)
@@ -194,6 +200,7 @@ def run_trials(
     judge = _Judge.of(cause, options, episode, data.recorded_losses)
     user = UserRun(model, loss_fn, optimizer, trained)
     runner = _Runner(user, episode, judge, options.trial_budget_s)
+    runner.runs = len(ids) + 1
     trials.plan = episode.description
     try:
         with _quiet_tensorflow():
@@ -203,16 +210,13 @@ def run_trials(
                 trials.baseline, trials.plan = runner.baseline_trial, runner.episode.description
             trials.fidelity = runner.fidelity
             for number, remedy in enumerate(ids, 1):
-                try:
-                    trial = runner.trial(remedy, cause, trials.baseline)
-                except Exception as error:  # noqa: BLE001 - one remedy's failure is not the rest's
-                    warnings.warn(f"NanWatch trial {remedy} failed: {error!r}", stacklevel=2)
-                    trial = Trial(remedy, "not_tried", why=f"failed: {short(error)}")
-                trials.append(trial)
-                text = evidence_trials.trial_text(trial)
-                say(f"NanWatch trial {number}/{len(ids)}: {remedy}: {text}")
+                for done in runner.tried(remedy, cause, trials.baseline):
+                    trials.append(done)
+                    text = evidence_trials.trial_text(done)
+                    say(f"NanWatch trial {number}/{len(ids)}: {done.remedy}: {text}")
     finally:
         trained.restore()  # the user's model and optimizer exactly as trained
+        trained.close()
     return trials
 
 
@@ -235,6 +239,7 @@ def _from_rewind_instead(
         return runner
     judge = _Judge.of(cause, options, episode, data.recorded_losses)
     other = _Runner(runner.user, episode, judge, runner.budget_s)
+    other.started, other.runs = runner.started, runner.runs
     other.deadline = runner.deadline
     say(f"NanWatch trials: from the bundle, {runner.fidelity}; from the rewind point instead")
     baseline = other.baseline(say, data.recorded_losses)
@@ -490,13 +495,20 @@ class _Runner:
         self.episode = episode
         self.judge = judge
         self.budget_s = budget_s
-        self.deadline = time.monotonic() + budget_s
+        self.started = time.monotonic()
+        self.deadline = self.started + budget_s
+        self.runs = 1  # the episodes the budget covers (the remedies' and the baseline)
+        self.paced = False
         self.optimizer = user.optimizer
         self.trained = user.trained
         self.user = user
         self.fidelity = ""
         self.baseline_trial: Trial | None = None
         self._losses: list[float] = []
+        # Combinations of remedies tried as their own remedy (see _with_partner).
+        self.combined: list[Trial] = []
+        self.tried_pairs: set[tuple[str, ...]] = set()
+        self.offered: list[str] = []  # the remedy ids the cause offers, in order
 
     def baseline(self, say: Progress, recorded: dict[int, float] | None = None) -> Trial:
         """The run as recorded: it must reproduce the recorded run (else every
@@ -557,6 +569,16 @@ class _Runner:
         )
         return None
 
+    def tried(self, remedy: str, cause: dict, baseline: Trial) -> list[Trial]:
+        """``remedy``'s trial, then the combinations it was tried in (each its
+        own remedy); never raises."""
+        try:
+            trial = self.trial(remedy, cause, baseline)
+        except Exception as error:  # noqa: BLE001 - one remedy's failure is not the rest's
+            warnings.warn(f"NanWatch trial {remedy} failed: {error!r}", stacklevel=2)
+            trial = Trial(remedy, "not_tried", why=f"failed: {short(error)}")
+        return [trial, *self.take_combined()]
+
     def trial(self, remedy: str, cause: dict, baseline: Trial) -> Trial:
         if baseline.outcome == "cannot_verify":
             return Trial(remedy, "cannot_verify", why=baseline.why)
@@ -576,33 +598,52 @@ class _Runner:
             return Trial(remedy, "not_tried", why=str(skipped))
         if len(variants) > 1:
             return self._in_turn(remedy, variants)
+        self.offered = list(cause.get("remedy_ids") or ())
         variant = variants[0]
         alone = self.attempt(remedy, variant)
         partner = trial_remedies.partner(remedy)
-        if alone.outcome != "not_fixed" or partner not in (cause.get("remedy_ids") or ()):
-            return alone
-        return self._with_partner(alone, variant, partner, recorded)
+        if alone.outcome == "not_fixed" and partner in (cause.get("remedy_ids") or ()):
+            self._with_partner(alone, variant, partner, recorded)
+        return alone
 
     def _with_partner(
         self, alone: Trial, variant: Variant, partner: str, recorded: trial_remedies.Recorded
-    ) -> Trial:
+    ) -> None:
         """Inputs and targets both far from unit scale: one data remedy alone
-        may not be enough; tried again with the other (said in the setting)."""
+        may not be enough; the two together are tried as their own remedy
+        (``combined``: a Trial whose ``together`` names both, its id
+        ``first+second`` in the order the cause offers them), once a pair.
+        ``alone`` keeps its own outcome."""
+        order = [r for r in self.offered if r in (alone.remedy, partner)]
+        pair = tuple(order) if len(order) == 2 else (alone.remedy, partner)
+        if pair in self.tried_pairs:
+            return
+        self.tried_pairs.add(pair)
         try:
-            both = trial_remedies.together(variant, trial_remedies.variants(partner, recorded)[0])
+            other = trial_remedies.variants(partner, recorded)[0]
         except TrialSkipped:
-            return alone
-        together = self.attempt(alone.remedy, both)
-        if together.outcome != "fixed":
-            return alone
-        return dataclasses.replace(together, why=f"alone it did not help: {alone.why}")
+            return
+        first, second = (variant, other) if pair[0] == alone.remedy else (other, variant)
+        both = self.attempt(
+            evidence_trials.combined_id(pair), trial_remedies.together(first, second)
+        )
+        if both.outcome in ("fixed", "not_fixed"):
+            self.combined.append(dataclasses.replace(both, together=pair))
+
+    def take_combined(self) -> list[Trial]:
+        """The combination trials run since the last call."""
+        found, self.combined = self.combined, []
+        return found
 
     def _recorded(self, cause: dict) -> trial_remedies.Recorded:
         episode = self.episode
         before = (cause.get("evidence") or {}).get("lr_before")
         rate_before = float(before) if _number(before) else _rate_before_jump(episode.rates)
         warmup = len(episode.batches) if len(episode.batches) > 1 else episode.steps // 2
-        return trial_remedies.Recorded(episode.batches, rate_before, warmup)
+        evidence = cause.get("evidence") or {}
+        layer = evidence.get("layer") or (cause.get("incident") or {}).get("layer")
+        layer = layer if isinstance(layer, str) and layer else None
+        return trial_remedies.Recorded(episode.batches, rate_before, warmup, layer)
 
     def _in_turn(self, remedy: str, variants: list[Variant]) -> Trial:
         """Each variant in turn (a rate's factors): the first that does not
@@ -650,6 +691,7 @@ class _Runner:
         episode, losses, signal = self.episode, self._losses, []
         first_rate = replica.rate
         outcome = lambda o, why="": _trial(remedy, o, variant.setting, losses, why)  # noqa: E731
+        traced = None  # when the first step (which traces) ended
         for step in range(episode.steps):
             if time.monotonic() > self.deadline:
                 return outcome(
@@ -664,6 +706,8 @@ class _Runner:
             rate = self._rate(step, first_rate)
             replica.set_rate(variant.rate(step, rate) if variant.rate else rate)
             result = replica.run(batch)
+            if remedy == "none":  # the re-run's second step sets the pace
+                traced = self._pace(traced)
             losses.append(result.loss)
             signal.append(getattr(result, self.judge.signal))
             if not result.finite:
@@ -680,6 +724,24 @@ class _Runner:
                     f"({self.judge.level:.3g}) at step {step + 1}",
                 )
         return _learning(outcome("fixed"), losses, len(episode.batches))
+
+    def _pace(self, traced: float | None) -> float:
+        """After the no-remedy re-run's first step: its end; after its second,
+        the budget scaled once to that step's time (:meth:`_scale_budget`)."""
+        now = time.monotonic()
+        if traced is None:
+            return now
+        if not self.paced:
+            self.paced = True
+            self._scale_budget(now - traced)
+        return traced
+
+    def _scale_budget(self, step_s: float) -> None:
+        """The budget for ``runs`` episodes at ``step_s`` a step, when more
+        than ``trial_budget_s`` (at most MAX_BUDGET_SCALE x it)."""
+        needed = step_s * self.episode.steps * self.runs
+        budget = min(max(self.budget_s, needed), MAX_BUDGET_SCALE * self.budget_s)
+        self.deadline = max(self.deadline, self.started + budget)
 
     def _rate(self, step: int, first_rate: float) -> float:
         """The recorded rate of trial step ``step``, else the schedule's, else
