@@ -274,3 +274,35 @@ def test_outputs_that_learned_the_targets_scale_are_no_growth_before_a_later_nan
     cause = causes.diagnose(rec)
     assert "growth_overflow" not in cause["candidates"], cause
     assert cause["id"] == "loss_math"
+
+
+def test_a_custom_loss_that_learned_on_raw_logits_applies_its_own_softmax():
+    # The seed-001 shape: the user's own cross-entropy (softmax, then -log p),
+    # token ids as targets, raw logits that the loss learned on for many steps,
+    # then Inf when a probability underflows to 0. The logits are right: the
+    # loss reads them; adding a softmax would apply it twice.
+    steps = 12
+
+    def learned(schema, step, vector):
+        put(schema, vector, "input", "input", "input", min=0.0, max=49.0)
+        put(schema, vector, "input", "input", "target", min=0.0, max=49.0)
+        put(schema, vector, "forward", "logits", "out", min=-20.0, max=25.0)
+        loss = 3.9 * 0.7**step if step < steps - 1 else math.inf
+        vector[schema.header_index("loss")] = loss
+        if step == steps - 1:
+            put(schema, vector, "loss", "loss", None, inf=1, value=math.inf)
+
+    summary = {"loss_name": "softmax_then_log", "input_dtypes": {"input": "int32"}}
+    inf_at_end = incident(steps - 1, "loss", kind="inf", tensor="total loss")
+    cause = causes.diagnose(record(steps, learned, inf_at_end, summary))
+    assert cause["id"] == "loss_math", cause
+    assert "output_activation" not in cause["remedy_ids"]
+
+    def stuck(schema, step, vector):  # the same outputs, a loss that never learned
+        learned(schema, step, vector)
+        if step < steps - 1:
+            vector[schema.header_index("loss")] = 15.9
+            put(schema, vector, "input", "input", "target", min=1.0, max=49.0)
+
+    cause = causes.diagnose(record(steps, stuck, inf_at_end, {**summary, "loss_name": "nll"}))
+    assert cause["id"] == "logits_as_probabilities", cause

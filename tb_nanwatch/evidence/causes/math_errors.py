@@ -253,6 +253,10 @@ def backward_origin(case: Case) -> Finding | None:
     )
 
 
+# Steps of finite loss on raw outputs that _learned_on_raw_outputs needs.
+LEARNED_STEPS = 5
+
+
 def _first_outputs(case: Case) -> tuple[int | None, float | None, float | None]:
     """(the first recorded step, its smallest output, its largest output):
     the flight window's model outputs, else the series' logit range."""
@@ -271,6 +275,24 @@ def _first_outputs(case: Case) -> tuple[int | None, float | None, float | None]:
         if math.isfinite(low) and math.isfinite(high):
             return int(series.steps[0]), low, high
     return None, None, None
+
+
+def _learned_on_raw_outputs(case: Case) -> bool:
+    """Whether the loss learned while the outputs were no probabilities (below
+    0 or above 1): over at least LEARNED_STEPS steps before the incident with
+    a finite loss and such outputs, the loss fell below half its first value.
+    A loss that takes the log of raw outputs cannot: it is NaN on a negative
+    one, or stuck near -log(eps) where it clips; so this loss applies its own
+    softmax to logits (a hand-written cross-entropy), and the logits are right."""
+    series = case.rec.series
+    needed = {"loss", "logit_min", "logit_max"}
+    if series is None or not len(series) or not needed <= set(series.columns):
+        return False
+    before = series.steps < case.step
+    loss = series.columns["loss"][before]
+    low, high = series.columns["logit_min"][before], series.columns["logit_max"][before]
+    seen = loss[np.isfinite(loss) & ((low < 0.0) | (high > 1.0))]
+    return len(seen) >= LEARNED_STEPS and float(seen.min()) < 0.5 * float(seen[0])
 
 
 def _id_targets(case: Case) -> bool:
@@ -302,6 +324,8 @@ def logits_as_probabilities(case: Case) -> Finding | None:
     named = from_logits is False or remedies.classification_loss(summary)
     if not named and low >= 0.0:
         return None  # a loss known only by its id-like targets: a log of a negative output
+    if from_logits is None and _learned_on_raw_outputs(case):
+        return None  # a loss of the user's own that learned on these outputs reads logits
     return Finding(
         f"The loss reads probabilities, but the model's outputs are raw logits: they ranged "
         f"{fmt(low)} to {fmt(high)} at step {first_step}, no sigmoid/softmax after them, until "
