@@ -17,6 +17,7 @@ import json
 import keras
 import numpy as np
 import pytest
+from test_trial_fidelity import house_features
 
 import tb_nanwatch
 from tb_nanwatch import cli
@@ -113,13 +114,7 @@ def test_raw_house_prices_first_remedy_is_the_combination_and_following_it_train
 
 
 def normalised_features(rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.RandomState(0)
-    x = np.stack(
-        [rng.uniform(500, 4000, rows), rng.uniform(1900, 2020, rows), rng.uniform(1e3, 2e4, rows)],
-        axis=1,
-    ).astype("float32")
-    y = 100 * x[:, :1] + 5 * x[:, 2:] + rng.uniform(1e5, 2e5, (rows, 1))
-    return x, ((y - y.mean()) / y.std()).astype("float32")
+    return house_features(rows)
 
 
 def normalised_model(x: np.ndarray) -> keras.Model:
