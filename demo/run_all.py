@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -153,6 +154,9 @@ def run_scenario(name: str, run_dir: str, children: Children, progress: Progress
 def write_runs(logdir: str, names: list[str], children: Children) -> None:
     progress = ProgressLine()
     for name in names:
+        # The demo owns its scenario dirs: a second run replaces the first (NanWatch would
+        # add run_2 beside run_1, and TensorBoard would show every scenario twice).
+        shutil.rmtree(os.path.join(logdir, name), ignore_errors=True)
         run_scenario(name, os.path.join(logdir, name), children, progress)
     print(f"Runs written to {logdir}/ (`tb-nanwatch report {logdir}` prints the same diagnosis).")
 

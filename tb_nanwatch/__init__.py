@@ -17,7 +17,9 @@ _LAZY = {
     "load_bundle": "tb_nanwatch.record.after_incident.bundle",
     "ReproBundle": "tb_nanwatch.record.after_incident.bundle",
     "summary": "tb_nanwatch.record.summary",
+    "compat": "tb_nanwatch.compat",
 }
+_MODULES = frozenset({"summary", "compat"})
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
@@ -26,6 +28,6 @@ def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'tb_nanwatch' has no attribute {name!r}")
     module = importlib.import_module(_LAZY[name])
-    value = module if name == "summary" else getattr(module, name)
+    value = module if name in _MODULES else getattr(module, name)
     globals()[name] = value
     return value

@@ -22,10 +22,17 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from tb_nanwatch.board import logdir_walk
-from tb_nanwatch.evidence.printable import printable
+from tb_nanwatch.evidence.printable import printable, printable_lines
 
 EXIT_OK = 0
 EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a reader that closed early
+
+# A TensorFlow-free install (the plugin and `report`): `replay` names what it needs.
+_TENSORFLOW_MODULES = frozenset({"tensorflow", "keras", "tf_keras"})
+_NEEDS_TENSORFLOW = (
+    "tb-nanwatch replay needs TensorFlow: pip install 'tb_nanwatch[tensorflow-cpu]' (or tensorflow)"
+)
 
 
 def _prefer_tensorflow_free_io(logdir: str) -> None:
@@ -199,8 +206,9 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         body = {"step": saved.step, "op": origin and origin.to_json()}
         out.write(json.dumps({**body, **_trials_json(found)}) + "\n")
         return EXIT_OK
-    # Op names and source lines come from the model that was sent: no control character.
-    print(printable(replay.describe(saved.step, origin)), file=out)
+    # Op names and source lines come from the model that was sent: no control character;
+    # the line breaks are the tool's own, so each line is made printable on its own.
+    print(printable_lines(replay.describe(saved.step, origin).split("\n")), file=out)
     _print_trials(found, out)
     return EXIT_OK
 
@@ -434,7 +442,30 @@ def main(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     if getattr(args, "logdir", None):
         _prefer_tensorflow_free_io(args.logdir)
-    return args.handler(args, out, err)
+    try:
+        status = args.handler(args, out, err)
+        out.flush()
+    except BrokenPipeError:
+        return _reader_gone(out)
+    except ModuleNotFoundError as missing:
+        if (
+            args.handler is not _replay
+            or (missing.name or "").partition(".")[0] not in _TENSORFLOW_MODULES
+        ):
+            raise
+        print(_NEEDS_TENSORFLOW, file=err)
+        return EXIT_USAGE
+    return status
+
+
+def _reader_gone(out: TextIO) -> int:
+    """The reader of stdout closed it (``report | head -1``): no traceback, and
+    stdout pointed at devnull so that the flush at exit does not fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+    except (OSError, ValueError, AttributeError):  # not a file descriptor (a StringIO in tests)
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -169,3 +169,28 @@ def test_an_unknown_scenario_is_a_clear_error(tmp_path):
     )
     assert result.returncode == 2
     assert "invalid choice: 'seed999'" in result.stderr
+
+
+def test_the_demo_run_twice_into_one_logdir_replaces_its_runs(tmp_path):
+    """The README's command a second time: the scenario's run is replaced (the
+    demo owns its scenario dirs), not added as a second run beside it, and
+    ``tb-nanwatch report`` reads it."""
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, RUN_ALL, "--logdir", str(tmp_path), "--only", "healthy"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "no NaN/Inf and no explosion" in result.stdout
+    assert not [name for name in os.listdir(tmp_path / "healthy") if name.startswith("run_")]
+    report = subprocess.run(
+        [sys.executable, "-m", "tb_nanwatch.cli", "report", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    (entry,) = json.loads(report.stdout)["runs"]
+    assert entry["first_nonfinite"] is None and entry["explosion"] is None

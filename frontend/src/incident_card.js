@@ -36,13 +36,19 @@ function field(name, label, value) {
  * @returns {HTMLElement|null} The line; null without an op, or with an empty
  *   one that the replay did not try.
  */
+/** Why the card names no op: the record's reason (e.g. a loop without loss_fn=), else the replay's. */
+export function opNotNamed(op) {
+  if (present(op.why)) return `No op is named: ${op.why}.`;
+  return "The replay did not reproduce the non-finite value, so no op is named.";
+}
+
 function renderOp(op) {
   if (!op) return null;
   const notReproduced = op.reproduced === false;
   if (!present(op.type) && !present(op.name) && !present(op.source)) {
     if (!notReproduced) return null;
     return el("p", { class: "card-op card-note", data: { field: "op", reproduced: false } }, [
-      el("span", { data: { field: "not-reproduced" }, text: "The replay did not reproduce the non-finite value, so no op is named." }),
+      el("span", { data: { field: "not-reproduced" }, text: opNotNamed(op) }),
     ]);
   }
   const parts = [];
@@ -134,11 +140,18 @@ function incidentParts(inc, exp, goto) {
       field("loss", "loss", present(inc.loss) ? fmt(inc.loss) : null),
     ]),
     inc.note ? el("p", { class: "card-note", data: { field: "note" }, text: inc.note }) : null,
-    exp ? el("p", { class: "card-note", data: { field: "explosion" }, text: `Explosion onset before it: step ${exp.step} (${exp.signal}).` }) : null,
+    exp ? el("p", { class: "card-note", data: { field: "explosion" }, text: explosionNote(inc, exp) }) : null,
     exp ? renderLrChange(exp) : null,
     exp ? renderGrowth(exp) : null,
     goto(inc.step),
   ];
+}
+
+/** The incident card's line on the explosion onset: "before it" only when it was. */
+export function explosionNote(inc, exp) {
+  if (exp.step === inc.step) return `The explosion and the incident are the same step (${exp.signal}).`;
+  const when = exp.step < inc.step ? "before it" : "after it";
+  return `Explosion onset ${when}: step ${exp.step} (${exp.signal}).`;
 }
 
 function explosionParts(exp, goto) {

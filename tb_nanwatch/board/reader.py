@@ -28,7 +28,7 @@ from tensorboard import errors
 from tensorboard.data import provider
 
 from tb_nanwatch.board import tensor_limits
-from tb_nanwatch.evidence import limits, metadata, run_dir_box, trials
+from tb_nanwatch.evidence import limits, metadata, recoveries, run_dir_box, trials
 from tb_nanwatch.evidence.recorded import Flight, Record, Series
 from tb_nanwatch.evidence.schema import Schema
 
@@ -262,14 +262,26 @@ class Run:
         return self.listing.run
 
     def skipped_steps(self) -> list[int]:
-        """Skipped steps, expanded from the summary's ``skipped_ranges``."""
-        steps: list[int] = []
+        """Skipped steps: the loss scaler's (the summary's ``skipped_ranges``)
+        and the non-finite steps a recovering watcher did not apply
+        (``on_nonfinite="skip"``/``"rewind"``'s fallback), in step order."""
+        steps = set(recoveries.skipped_nonfinite_steps(self.summary))
         for first, last in self.summary.get("skipped_ranges", []):
-            steps.extend(range(first, last + 1))
-        return steps
+            steps.update(range(first, last + 1))
+        return sorted(steps)
 
     def skipped_count(self) -> int:
-        return sum(last - first + 1 for first, last in self.summary.get("skipped_ranges", []))
+        return len(self.skipped_steps())
+
+    def skipped_ranges(self) -> list[list[int]]:
+        """:meth:`skipped_steps` as ``[first, last]`` runs of consecutive steps."""
+        ranges: list[list[int]] = []
+        for step in self.skipped_steps():
+            if ranges and ranges[-1][1] == step - 1:
+                ranges[-1][1] = step
+            else:
+                ranges.append([step, step])
+        return ranges
 
 
 # -- provider access --------------------------------------------------------

@@ -18,6 +18,7 @@ from tensorboard import context
 
 from tb_nanwatch.board import logdir_walk, reader
 from tb_nanwatch.evidence import causes, diagnosis, limits, recoveries, run_dir_box, vocabulary
+from tb_nanwatch.evidence.causes.case import output_word
 from tb_nanwatch.evidence.printable import printable, printable_lines
 from tb_nanwatch.evidence.recorded import Record
 
@@ -292,6 +293,9 @@ def remedies_heading(remedies: list) -> str:
 def _op_line(op: object) -> str | None:
     if not isinstance(op, dict):
         return None
+    if not op.get("type") and not op.get("name"):
+        why = op.get("why") or "the replay did not reproduce the non-finite value"
+        return f"    op: not named: {why}"
     source = op.get("source") or "source line unknown"
     replay = {True: "reproduced by replay", False: "not reproduced by replay"}
     outcome = replay.get(op.get("reproduced"), "replay outcome unknown")
@@ -332,7 +336,10 @@ def format_run(
     else:
         lines.append("  healthy: no NaN/Inf recorded")
     if explosion:
-        lines.append(f"  explosion onset: step {explosion['step']} ({explosion['signal']})")
+        signal = str(explosion.get("signal"))
+        if signal == "logits":  # a regression's outputs are no logits: the tab's word
+            signal = output_word(summary, run.schema)
+        lines.append(f"  explosion onset: step {explosion['step']} ({signal})")
     else:
         lines.append("  explosion onset: none")
     lines.append(f"  skipped steps: {run.skipped_count()}")

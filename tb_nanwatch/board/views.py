@@ -141,7 +141,7 @@ def timeline(
         "total_steps": int(summary["steps"]),
         "first_nonfinite": summary.get("first_nonfinite"),
         "explosion": summary.get("explosion"),
-        "skipped_ranges": summary.get("skipped_ranges", []),
+        "skipped_ranges": run.skipped_ranges(),
         "recorded_steps": recorded_steps,
         "output_word": output_word(summary, run.schema),
         "recoveries": [

@@ -22,7 +22,9 @@ shard, which is where a bad shard shows up.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import math
 import os
 import posixpath
 import sys
@@ -373,7 +375,9 @@ class WatchSession:
         self.replay_loss: Callable | None = None
         self.journal: RunJournal | None = None
         self.incident: dict | None = None
+        self._explosion_announced = False  # the explosion's console block, once a run
         self.disabled = False
+        self._write_fault_warned = False  # a log dir that cannot be written: one warning a run
         self.closed = False
         self.step = 0
         self.epoch = 0
@@ -440,6 +444,7 @@ class WatchSession:
         if incident is not None:
             self.incident = incident
             print(self._incident_message(incident), file=sys.stderr, flush=True)
+        self._announce_explosion()
         if self.recovery is not None and self.recovery.after_steps():
             self.stop_requested = True
         elif incident is not None and self.options.on_nonfinite == "stop":
@@ -459,6 +464,56 @@ class WatchSession:
             path = posixpath.join(self.log_dir, self.journal.repro_bundle)
             lines.append(f"  reproduction bundle: {path}   (tb_nanwatch.load_bundle)")
         return printable_lines(lines)
+
+    def _announce_explosion(self) -> None:
+        """One console block, once a run, when the journal confirmed an
+        explosion onset before any incident (an incident has its own message).
+        Never raises."""
+        journal = self.journal
+        if self._explosion_announced or journal is None:
+            return
+        onset = journal.explosion_onset
+        if onset is None or self.incident is not None or journal.first_nonfinite:
+            return
+        self._explosion_announced = True
+        try:
+            print(self._explosion_message(onset), file=sys.stderr, flush=True)
+        except Exception as error:  # noqa: BLE001 - the message must not fail
+            warnings.warn(f"NanWatch could not describe the explosion: {error!r}", stacklevel=3)
+
+    def _explosion_message(self, onset: dict) -> str:
+        """The explosion's console block: the signal, the onset step, its
+        growth, the learning rate at the onset (and a jump), where to look."""
+        what = str(onset.get("signal", "a signal"))
+        if onset.get("layer"):
+            what = f"{what} of layer {onset['layer']}"
+        lines = ["", f"NanWatch: {what} exploded from step {int(onset['step'])} (no NaN/Inf yet)"]
+        factor = onset.get("factor")
+        if isinstance(factor, (int, float)) and math.isfinite(factor):
+            lines.append(f"  growth: {factor:.3g}x its reference level")
+        lr = self._lr_at(int(onset["step"]))
+        jump = onset.get("lr_change")
+        rate = f"learning rate at the onset: {lr:.4g}" if lr is not None else ""
+        if isinstance(jump, dict):
+            change = f"it jumped {jump['from']:.4g} -> {jump['to']:.4g} at step {jump['step']}"
+            rate = f"{rate}; {change}" if rate else f"learning rate: {change}"
+        if rate:
+            lines.append(f"  {rate}")
+        lines.append(f"  run dir: {self.log_dir}   details: tb-nanwatch report {self.log_dir}")
+        return printable_lines(lines)
+
+    def _lr_at(self, step: int) -> float | None:
+        """The recorded learning rate of ``step`` (from the flight window), or None."""
+        try:
+            steps, window = self.journal.flight_window()
+            column = self.recorder.schema.header_index("lr")
+        except Exception:  # noqa: BLE001 - no rate recorded
+            return None
+        for found, vector in zip(steps.tolist(), window, strict=True):
+            if int(found) == step:
+                value = float(vector[column])
+                return value if math.isfinite(value) and value > 0 else None
+        return None
 
     @property
     def stops_training(self) -> bool:
@@ -530,9 +585,7 @@ class WatchSession:
         except RewindNotTaken as why:
             found = {"rewind_point": None, "rewind_point_not_taken": str(why)}
         except Exception as error:  # noqa: BLE001 - never break the user's training
-            warnings.warn(
-                f"NanWatch could not save the rewind point: {error!r}", RuntimeWarning, stacklevel=4
-            )
+            self._warn_failed("save the rewind point", error, stacklevel=5)
             found = {"rewind_point": None, "rewind_point_not_taken": f"failed: {error!r}"}
         # A new dict: the journal's worker may be writing the summary from the old one.
         self.journal.update_run_info(**found)
@@ -603,12 +656,27 @@ class WatchSession:
         try:
             return self._save_bundle(incident)
         except Exception as error:  # noqa: BLE001
-            warnings.warn(
-                f"NanWatch could not save the reproduction bundle: {error!r}",
-                RuntimeWarning,
-                stacklevel=5,
-            )
+            self._warn_failed("save the reproduction bundle", error, stacklevel=6)
             return None
+
+    def _warn_failed(self, what: str, error: Exception, stacklevel: int) -> None:
+        """``NanWatch could not WHAT``, one warning; a log dir that cannot be written
+        (read-only, no permission, full) is one fault, warned about once a run, though
+        the rewind point, the bundle and the trials each fail on it."""
+        if _cannot_write(error):
+            if self._write_fault_warned:
+                return
+            self._write_fault_warned = True
+            what += f" (the log dir {self.log_dir} cannot be written; nothing more is saved there)"
+        warnings.warn(
+            f"NanWatch could not {what}: {error!r}", RuntimeWarning, stacklevel=stacklevel
+        )
+
+    def _warn_after_training(self, stage: str, error: Exception) -> None:
+        """A failure of the replay or the trials after training: one warning."""
+        what = "replay the incident" if stage == "replay" else "try the remedies"
+        # The frame that closed the session (here, this one, follow_up's two, close).
+        self._warn_failed(what, error, stacklevel=6)
 
     def _save_bundle(self, incident: dict) -> tuple[str, bool]:
         """Writes the reproduction bundle (batch, pre-step weights and optimizer
@@ -687,6 +755,7 @@ class WatchSession:
         if self.journal is None or self.journal.closed:
             return
         self.settled_journal()  # a failure of the worker thread is warned about, not lost
+        self._announce_explosion()
         done = follow_up.replay_then_trials(
             self.recorder.model,
             self.replay_loss,
@@ -696,7 +765,7 @@ class WatchSession:
             hooks=follow_up.Hooks(
                 named=self._name_the_op,
                 then=lambda: self._close_record(status),
-                failed=_warn_after_training,
+                failed=self._warn_after_training,
             ),
         )
         if done.trials:
@@ -711,6 +780,7 @@ class WatchSession:
         except Exception as error:  # noqa: BLE001
             self.disable(f"could not close the record: {error!r}")
             return False
+        self._announce_explosion()  # a climb the end of the run confirmed
         return True
 
     def _late_rewind_point(self) -> None:
@@ -814,11 +884,16 @@ class WatchSession:
         incident = self.journal.first_nonfinite
         op = origin.to_json()
         incident["op"] = {key: op[key] for key in ("type", "name", "source", "reproduced")}
+        if not origin.reproduced and replay._NO_LOSS in origin.detail:
+            incident["op"]["why"] = replay.NEEDS_LOSS_FN  # a custom loop without loss_fn=
         print(f"\nNanWatch replay: {replay.describe(incident['step'], origin)}", file=sys.stderr)
 
 
-def _warn_after_training(stage: str, error: Exception) -> None:
-    """A failure of the replay or the trials after training: one warning."""
-    what = "replay the incident" if stage == "replay" else "try the remedies"
-    # The frame that closed the session (here, follow_up's two, close).
-    warnings.warn(f"NanWatch could not {what}: {error!r}", RuntimeWarning, stacklevel=5)
+_WRITE_FAULTS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT})
+
+
+def _cannot_write(error: BaseException) -> bool:
+    """Whether ``error`` says the log dir cannot be written (not a failure of its own)."""
+    if isinstance(error, tf.errors.PermissionDeniedError):
+        return True
+    return isinstance(error, OSError) and error.errno in _WRITE_FAULTS

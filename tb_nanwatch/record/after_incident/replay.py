@@ -54,6 +54,8 @@ _GRAPH_NODE = re.compile(r"Detected at node '?([^'\s]+?)/CheckNumericsV2'? defin
 _GRADIENT_SCOPE = "gradient_tape/"
 _NOT_EXACT = "the bundle is not exact: its batch or weights are not those of the step"
 _NO_LOSS = "no loss (a compiled loss or loss_fn): the loss and backward phases were not replayed"
+# Why an op is not named when a custom loop's replay had no loss (the record's op "why").
+NEEDS_LOSS_FN = "the replay needs the loop's loss: pass loss_fn= to StepWatcher"
 # How far back through the gradient ops the search for the forward op goes.
 _MAX_GRADIENT_OPS = 64
 
