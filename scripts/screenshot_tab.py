@@ -13,19 +13,16 @@ PNG and stops TensorBoard.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS  # noqa: E402 - the tests' Chromium
+from nanwatch_testlib import CHROMIUM, CHROMIUM_ARGS, tensorboard_process  # noqa: E402 - the tests' Chromium
 
 SCENARIOS = ("seed000_nested_sigmoid_bce", "healthy")
 IFRAME = 'iframe[src*="plugin_entry.html?name=nanwatch"]'
@@ -37,46 +34,9 @@ def write_demo_runs(logdir: Path) -> None:
     subprocess.run([*command, "--only", *SCENARIOS], check=True, cwd=ROOT)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def runs_listed(base: str) -> int:
     with urllib.request.urlopen(f"{base}/data/plugin/nanwatch/runs", timeout=5) as response:
         return len(json.load(response)["runs"])
-
-
-@contextlib.contextmanager
-def tensorboard(logdir: Path, want_runs: int):
-    """TensorBoard on 127.0.0.1 until the tab lists ``want_runs`` runs; yields its URL."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "tensorboard.main", f"--logdir={logdir}"]
-    command += [f"--port={port}", "--host=127.0.0.1", "--load_fast=false"]
-    with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-        )
-        try:
-            deadline = time.monotonic() + TIMEOUT_S
-            while True:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise SystemExit(f"TensorBoard did not start:\n{log.read()[-3000:]}")
-                with contextlib.suppress(OSError, ValueError, KeyError):
-                    if runs_listed(base) >= want_runs:
-                        break
-                time.sleep(0.5)
-            yield base
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
 
 
 def screenshot(base: str, out: Path, width: int, height: int) -> None:
@@ -113,7 +73,12 @@ def main() -> int:
             logdir = Path(tmp) / "logs"
             write_demo_runs(logdir)
         want = len(SCENARIOS) if args.logdir is None else 1
-        with tensorboard(logdir, want) as base:
+        ready = lambda base: runs_listed(base) >= want  # noqa: E731
+        log_path = Path(tmp) / "tensorboard.log"
+        extra = ("--load_fast=false",)
+        with tensorboard_process(
+            logdir, log_path, ready, extra_args=extra, timeout=TIMEOUT_S
+        ) as base:
             screenshot(base, args.out, args.width, args.height)
     print(f"wrote {args.out} ({args.out.stat().st_size // 1024} KB)")
     return 0
