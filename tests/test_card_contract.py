@@ -17,7 +17,7 @@ import json
 import keras
 import numpy as np
 import pytest
-from test_trial_fidelity import house_features
+from test_trial_fidelity import house_features, normalised_model
 
 import tb_nanwatch
 from tb_nanwatch import cli
@@ -113,21 +113,8 @@ def test_raw_house_prices_first_remedy_is_the_combination_and_following_it_train
 # -- (b) a rate too high: the snippet's rate is the one the trial found -------------------------
 
 
-def normalised_features(rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
-    return house_features(rows)
-
-
-def normalised_model(x: np.ndarray) -> keras.Model:
-    keras.utils.set_random_seed(0)
-    norm = keras.layers.Normalization()
-    norm.adapt(x)
-    layers = [norm, keras.layers.Dense(16, activation="relu")]
-    layers += [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
-    return keras.Sequential([keras.Input((3,)), *layers])
-
-
 def test_a_rate_too_high_first_remedy_code_sets_the_rate_the_trial_found(tmp_path):
-    x, y = normalised_features()
+    x, y = house_features(256)
     model = normalised_model(x)
     model.compile(optimizer=keras.optimizers.SGD(2.0), loss="mse")
     watch = tb_nanwatch.NanWatch(str(tmp_path))
