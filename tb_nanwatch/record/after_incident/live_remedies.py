@@ -29,6 +29,7 @@ import keras
 from tb_nanwatch.evidence import changes, remedies
 from tb_nanwatch.evidence.trials import Trial
 from tb_nanwatch.record.after_incident.schedules import HeldRate, ScaledSchedule
+from tb_nanwatch.record.after_incident.trial_replica import inner_optimizer
 
 _Schedule = keras.optimizers.schedules.LearningRateSchedule
 
@@ -65,7 +66,7 @@ def plan(remedy: str, trial: Trial, optimizer, cause: dict | None = None) -> Liv
     if not is_live(remedy):
         raise NotLive(f"{remedy} changes more than the optimizer")
     change = remedies.CATALOGUE[remedy].trial
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner = inner_optimizer(optimizer)
     return _SETTERS[type(change)](remedy, change, trial, inner, cause)
 
 

@@ -167,7 +167,7 @@ class Replica:
                 fresh_state(optimizer, model)
             self._set_settings(variant)
         self.loss = trial_loss(model, self.model, loss_fn, variant)
-        inner = _inner(self.optimizer)
+        inner = inner_optimizer(self.optimizer)
         self.initial_rate = float(np.asarray(inner.learning_rate))
         self._rate = self._rate_variable(inner)
         # Compiled as the user's step is (XLA when fit's is), for the same numbers.
@@ -177,7 +177,7 @@ class Replica:
 
     def _set_settings(self, variant: Variant) -> None:
         """The variant's optimizer settings on the user's optimizer (undone by close)."""
-        inner = _inner(self.optimizer)
+        inner = inner_optimizer(self.optimizer)
         for key, value in variant.optimizer:
             if not hasattr(inner, key):
                 raise TrialSkipped(f"the optimizer has no {key}")
@@ -246,7 +246,7 @@ class Replica:
         return loss, norm, logits, tf.logical_and(finite, tf.math.is_finite(loss))
 
 
-def _inner(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+def inner_optimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
     """The optimizer that holds the learning rate (a LossScaleOptimizer's inner one)."""
     return getattr(optimizer, "inner_optimizer", optimizer)
 
@@ -316,8 +316,8 @@ class TrainedState:
             with open(self.file, "xb") as f:
                 write_arrays(f, ((str(i), v.numpy()) for i, v in enumerate(self.variables)))
         holders = [] if optimizer is None or isinstance(optimizer, dict) else [optimizer]
-        if holders and _inner(optimizer) is not optimizer:
-            holders.append(_inner(optimizer))
+        if holders and inner_optimizer(optimizer) is not optimizer:
+            holders.append(inner_optimizer(optimizer))
         self.attributes = [
             (holder, name, getattr(holder, name))
             for holder in holders
@@ -375,12 +375,16 @@ def fresh_state(optimizer: Any, model: keras.Model) -> None:
     """The user's optimizer's variables as a fresh optimizer of its config has
     them (a rewind point from before the first step recorded none); the
     learning-rate variables keep theirs."""
-    rates = {id(getattr(o, "_learning_rate", None)) for o in (optimizer, _inner(optimizer))}
+    rates = {
+        id(getattr(o, "_learning_rate", None)) for o in (optimizer, inner_optimizer(optimizer))
+    }
     targets = [v for v in optimizer_variables(optimizer) if id(v) not in rates]
     try:
         fresh = build_optimizer(optimizer_config(optimizer), Variant())
         fresh.build(model.trainable_variables)
-        fresh_rates = {id(getattr(o, "_learning_rate", None)) for o in (fresh, _inner(fresh))}
+        fresh_rates = {
+            id(getattr(o, "_learning_rate", None)) for o in (fresh, inner_optimizer(fresh))
+        }
         values = [v.numpy() for v in optimizer_variables(fresh) if id(v) not in fresh_rates]
         shapes = [tuple(v.shape) for v in targets] == [np.shape(a) for a in values]
     except Exception:  # noqa: BLE001 - an optimizer Keras cannot rebuild: zeros
@@ -496,7 +500,7 @@ def restore_optimizer(optimizer: keras.optimizers.Optimizer, state: dict[str, np
     if not state:
         return
     variables = list(optimizer.variables)
-    rate = getattr(_inner(optimizer), "_learning_rate", None)
+    rate = getattr(inner_optimizer(optimizer), "_learning_rate", None)
     without_rate = [v for v in variables if v is not rate]
     groups: dict[str, dict[str, np.ndarray]] = {}
     for path, value in state.items():

@@ -89,6 +89,7 @@ from tb_nanwatch.record.after_incident.trial_replica import (
     TrainedState,
     TrialSkipped,
     Variant,
+    inner_optimizer,
     short,
 )
 
@@ -380,7 +381,7 @@ def _schedule(optimizer: Any, config: dict | None, iteration: int) -> Callable[[
     """The learning-rate schedule of the user's optimizer (its own object, a
     custom class included; else the recorded ``config``'s) as a function of
     the trial step (None: a constant rate, or a schedule that cannot be rebuilt)."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    inner = inner_optimizer(optimizer)
     schedule = getattr(inner, "_learning_rate", None)
     if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
         return lambda step: float(np.asarray(schedule(iteration + step)))
