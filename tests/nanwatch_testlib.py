@@ -35,6 +35,9 @@ from tb_nanwatch.evidence.schema import Schema
 from tb_nanwatch.record.writing.journal import RunJournal
 from tb_nanwatch.record.writing.synthetic import build_schema, write_synthetic_run
 
+# The trials' budget in tests that judge a trial's outcome: a slow or paused CI
+# machine must not turn a "fixed" into an over-budget "not_tried".
+TRIAL_BUDGET_S = 3600.0
 BIG_STEPS = 5000
 BIG_INCIDENT = 4321
 BIG_LAYER = 3

@@ -14,6 +14,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
+from nanwatch_testlib import TRIAL_BUDGET_S
 
 BATCH = 8
 
@@ -429,6 +430,7 @@ def fit(build, log_dir, epochs=1, compile_kwargs=None, **watch_kwargs):
     model, kwargs, truth = build()
     if compile_kwargs:
         model.compile(optimizer=model.optimizer, loss=model.loss, **compile_kwargs)
+    watch_kwargs.setdefault("trial_budget_s", TRIAL_BUDGET_S)
     watch = tb_nanwatch.NanWatch(str(log_dir), **watch_kwargs)
     history = model.fit(**kwargs, epochs=epochs, callbacks=[watch], verbose=0)
     return model, watch, truth, history

@@ -15,6 +15,7 @@ import io
 import json
 
 import keras
+import nanwatch_testlib as lib
 import numpy as np
 import pytest
 from test_trial_fidelity import house_features, normalised_model
@@ -79,7 +80,7 @@ def test_raw_house_prices_first_remedy_is_the_combination_and_following_it_train
     assert y.min() >= 1e5 and y.max() <= 1e6 and x.max() > 5e4
     model = house_model()
     model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
-    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, callbacks=[watch], verbose=0)
     assert watch.incident is not None
     cause = card(tmp_path)
@@ -117,7 +118,7 @@ def test_a_rate_too_high_first_remedy_code_sets_the_rate_the_trial_found(tmp_pat
     x, y = house_features(256)
     model = normalised_model(x)
     model.compile(optimizer=keras.optimizers.SGD(2.0), loss="mse")
-    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, callbacks=[watch], verbose=0)
     assert watch.incident is not None
     cause = card(tmp_path)
@@ -256,7 +257,12 @@ def test_a_float16_overflow_in_one_layer_is_fixed_by_that_layer_in_float32(mixed
     evidence = {"layer": "square_norm", "dtype_policy": "mixed_float16"}
     cause = {"id": "fp16_overflow", "remedy_ids": ["float32_layer"], "evidence": evidence}
     found = trials.run_trials(
-        model, cause, trials.TrialData(bundle=saved), None, WatchOptions(), lambda line: None
+        model,
+        cause,
+        trials.TrialData(bundle=saved),
+        None,
+        WatchOptions(trial_budget_s=lib.TRIAL_BUDGET_S),
+        lambda line: None,
     )
     assert found.baseline.outcome == "not_fixed"
     (trial,) = found
@@ -296,7 +302,7 @@ def recovery_with(tried: list[Trial]):
     from tb_nanwatch.record.after_incident.recovery import Recovery
 
     session = SimpleNamespace(
-        options=WatchOptions(on_nonfinite="rewind"),
+        options=WatchOptions(on_nonfinite="rewind", trial_budget_s=lib.TRIAL_BUDGET_S),
         recorder=SimpleNamespace(optimizer=keras.optimizers.SGD(0.1)),
     )
     recovery = Recovery(session, lambda: trials.TrialData())

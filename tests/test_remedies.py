@@ -20,6 +20,7 @@ import zipfile
 from pathlib import Path
 
 import keras
+import nanwatch_testlib as lib
 import numpy as np
 import pytest
 from nanwatch_testlib import base_vector
@@ -457,7 +458,12 @@ def test_a_new_remedy_is_one_catalogue_entry_tried_and_set_live(monkeypatch):
     saved = ReproBundle(3, [x, np.ones((8, 1), "float32")], weights, {"exact": True})
     cause = {"id": "input_data", "remedy_ids": ["soft_clip", "skip_nan_rows"], "evidence": {}}
     found = trials.run_trials(
-        model, cause, trials.TrialData(bundle=saved), None, WatchOptions(), lambda line: None
+        model,
+        cause,
+        trials.TrialData(bundle=saved),
+        None,
+        WatchOptions(trial_budget_s=lib.TRIAL_BUDGET_S),
+        lambda line: None,
     )
     by_id = {t.remedy: t for t in found}
     assert by_id["skip_nan_rows"].outcome == "fixed"

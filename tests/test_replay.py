@@ -12,6 +12,7 @@ import json
 import shutil
 
 import keras
+import nanwatch_testlib as lib
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -139,7 +140,7 @@ def fit_until_incident(build, run_dir: str):
     model, x, where, source = build()
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     y = np.ones((len(x), 1), "float32")
-    watch = tb_nanwatch.NanWatch(run_dir)
+    watch = tb_nanwatch.NanWatch(run_dir, trial_budget_s=lib.TRIAL_BUDGET_S)
     model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, callbacks=[watch], verbose=0)
     assert watch.incident["step"] == BAD_STEP
     assert {k: watch.incident[k] for k in ("phase", "layer")} == {
@@ -219,7 +220,7 @@ def test_a_model_that_cannot_be_cloned_is_put_back_bitwise(tmp_path):
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     x = _rows()
     x[BAD_STEP * BATCH, 1] = -2.0
-    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
     model.fit(
         x,
         np.ones((len(x), 1), "float32"),

@@ -10,6 +10,7 @@ import json
 import os
 
 import keras
+import nanwatch_testlib as lib
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -48,7 +49,7 @@ def fit_log_model(run_dir: str, **watch_options) -> tb_nanwatch.NanWatch:
     x[BAD_STEP * BATCH + 1, 0] = -1.0  # log of a negative at BAD_STEP
     model = log_model()
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    watch = tb_nanwatch.NanWatch(run_dir, **watch_options)
+    watch = tb_nanwatch.NanWatch(run_dir, **watch_options, trial_budget_s=lib.TRIAL_BUDGET_S)
     y = np.ones((len(x), 1), "float32")
     model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[watch], verbose=0)
     return watch
@@ -80,7 +81,7 @@ def test_an_update_phase_incident_is_not_replayed(tmp_path, monkeypatch):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     # Adam with epsilon=0 and a zero gradient: 0/0 in the update, all before it finite.
     model.compile(optimizer=keras.optimizers.Adam(epsilon=0.0), loss="mse")
-    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
     zeros = np.zeros((8, 3), "float32")
     model.fit(zeros, np.zeros((8, 1), "float32"), batch_size=4, callbacks=[watch], verbose=0)
     assert watch.incident["phase"] == "update" and calls == []
@@ -109,7 +110,7 @@ def test_mixed_precision_policy_and_every_weight_checked(tmp_path):
         h = keras.layers.BatchNormalization()(keras.layers.Dense(2)(inp))
         model = keras.Model(inp, keras.layers.Dense(1, dtype="float32")(h))
         model.compile(optimizer="sgd", loss="mse")
-        watch = tb_nanwatch.NanWatch(str(tmp_path))
+        watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
         ones = np.ones((8, 3), "float32")
         model.fit(ones, np.ones((8, 1), "float32"), batch_size=4, callbacks=[watch], verbose=0)
     finally:
@@ -148,7 +149,9 @@ def test_an_explosion_gets_its_trials_at_the_end_and_again_from_a_copied_run_dir
     from scenarios import exploding
 
     model, fit_args, truth = exploding()
-    watch = tb_nanwatch.NanWatch(str(tmp_path / "run"), rewind_every=20)
+    watch = tb_nanwatch.NanWatch(
+        str(tmp_path / "run"), rewind_every=20, trial_budget_s=lib.TRIAL_BUDGET_S
+    )
     model.fit(**fit_args, callbacks=[watch], verbose=0)
     assert watch.incident is None
     with open(tmp_path / "run" / "repro" / "trials.json") as f:

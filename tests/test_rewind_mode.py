@@ -16,7 +16,7 @@ import os
 import keras
 import numpy as np
 import pytest
-from nanwatch_testlib import PLUGIN, get_json, report_json, route_client
+from nanwatch_testlib import PLUGIN, TRIAL_BUDGET_S, get_json, report_json, route_client
 
 import tb_nanwatch
 from tb_nanwatch import cli
@@ -45,7 +45,7 @@ def _mlp(optimizer=None) -> keras.Model:
 def _fit(log_dir, epochs=EPOCHS, callbacks=(), **options):
     x, y = _targets_near_100()
     model = _mlp()
-    watch = tb_nanwatch.NanWatch(str(log_dir), trial_budget_s=120, **options)
+    watch = tb_nanwatch.NanWatch(str(log_dir), trial_budget_s=TRIAL_BUDGET_S, **options)
     history = model.fit(
         x,
         y,

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from nanwatch_testlib import TRIAL_BUDGET_S
 
 import tb_nanwatch
 from tb_nanwatch.evidence.options import WatchOptions
@@ -175,7 +176,7 @@ def test_a_trained_state_above_the_memory_bound_is_kept_on_disk_and_restored_bit
     )
     before = _state(model, optimizer)
     cause = {"id": "growth_overflow", "remedy_ids": ["lower_lr", "clip_gradients"]}
-    options = WatchOptions(rewind_memory_mb=1, trial_budget_s=60)
+    options = WatchOptions(rewind_memory_mb=1, trial_budget_s=TRIAL_BUDGET_S)
     found = trials.run_trials(
         model, cause, trials.TrialData(rewind=point), None, options, progress=lambda _: None
     )

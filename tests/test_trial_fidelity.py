@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import keras
+import nanwatch_testlib as lib
 import numpy as np
 import tensorflow as tf
 
@@ -71,7 +72,7 @@ def test_a_normalised_model_at_a_high_rate_is_fixed_by_a_lower_rate(tmp_path):
     x, y = house_features(256)
     model = normalised_model(x)
     model.compile(optimizer=keras.optimizers.SGD(2.0), loss="mse")
-    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, callbacks=[watch], verbose=0)
     assert watch.incident is not None
     body = written(tmp_path)
@@ -110,7 +111,7 @@ def test_a_function_loss_and_a_custom_schedule_run_their_trials(tmp_path):
     schedule = JumpSchedule()
     optimizer = keras.optimizers.SGD(schedule)
     model.compile(optimizer=optimizer, loss=plain_mse)
-    watch = tb_nanwatch.NanWatch(str(tmp_path), rewind_every=4)
+    watch = tb_nanwatch.NanWatch(str(tmp_path), rewind_every=4, trial_budget_s=lib.TRIAL_BUDGET_S)
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, callbacks=[watch], verbose=0)
     assert watch.incident is not None or watch.session.journal.explosion_onset is not None
     body = written(tmp_path)
@@ -156,7 +157,9 @@ def regression_case():
 
 
 def run(model, cause, data):
-    return trials.run_trials(model, cause, data, None, WatchOptions(), lambda line: None)
+    return trials.run_trials(
+        model, cause, data, None, WatchOptions(trial_budget_s=lib.TRIAL_BUDGET_S), lambda line: None
+    )
 
 
 def test_the_recorded_run_reproduced_lets_the_remedies_be_judged():
@@ -271,7 +274,7 @@ def test_a_dropout_models_re_run_reproduces_the_recorded_losses(tmp_path):
     x, y = house_features(256, seed=2)
     model = normalised_model(x, dropout=0.3)
     model.compile(optimizer=keras.optimizers.SGD(2.0), loss="mse")
-    watch = tb_nanwatch.NanWatch(str(tmp_path), rewind_every=3)
+    watch = tb_nanwatch.NanWatch(str(tmp_path), rewind_every=3, trial_budget_s=lib.TRIAL_BUDGET_S)
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, callbacks=[watch], verbose=0)
     body = written(tmp_path)
     assert body["fidelity"].startswith("the re-run reproduced the recorded losses"), body
@@ -293,7 +296,7 @@ def test_a_loss_from_exactly_zero_to_inf_fails_its_baseline_and_lower_lr_is_judg
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1, kernel_initializer="zeros")])
     model.compile(optimizer=keras.optimizers.SGD(1.5), loss="mse")
-    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
     model.fit(x, y, batch_size=rows, epochs=20, shuffle=False, callbacks=[watch], verbose=0)
     assert watch.incident is not None
     body = written(tmp_path)
@@ -376,7 +379,9 @@ def test_an_update_incident_under_dropout_is_verified_from_the_rewind_point(tmp_
     model.compile(optimizer=keras.optimizers.RMSprop(0.01, epsilon=0.0), loss="mse")
     x = np.random.RandomState(4).uniform(0.5, 1.5, (4 * 8, 3)).astype("float32")
     y = np.ones((len(x), 1), "float32")
-    watch = tb_nanwatch.NanWatch(str(tmp_path), pre_step_weights="every_step")
+    watch = tb_nanwatch.NanWatch(
+        str(tmp_path), pre_step_weights="every_step", trial_budget_s=lib.TRIAL_BUDGET_S
+    )
     model.fit(x, y, batch_size=8, shuffle=False, callbacks=[watch], verbose=0)
     assert watch.incident["phase"] == "update"
     assert tb_nanwatch.load_bundle(str(tmp_path)).weights  # a bundle to start from

@@ -171,7 +171,10 @@ def house_run(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("trials"))
     schema = make_schema()
     journal = RunJournal(
-        os.path.join(root, "house"), schema, {"model": "house", "optimizer": "SGD"}, WatchOptions()
+        os.path.join(root, "house"),
+        schema,
+        {"model": "house", "optimizer": "SGD"},
+        WatchOptions(trial_budget_s=lib.TRIAL_BUDGET_S),
     )
     for step in range(2):
         vector = lib.base_vector(schema, step)

@@ -13,6 +13,7 @@ import json
 import os
 
 import keras
+import nanwatch_testlib as lib
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -81,6 +82,7 @@ def exact_bundle(model, step, x, y) -> ReproBundle:
 
 
 def run(model, cause, data, loss_fn=None, **options):
+    options.setdefault("trial_budget_s", lib.TRIAL_BUDGET_S)
     lines = []
     found = trials.run_trials(model, cause, data, loss_fn, WatchOptions(**options), lines.append)
     return {t.remedy: t for t in found}, found, lines
@@ -214,7 +216,7 @@ def test_rmsprop_epsilon_zero_is_fixed_by_a_larger_epsilon(tmp_path, capfd):
     y = np.ones((len(x), 1), "float32")
     model = dead_head_model(keras.optimizers.RMSprop(0.01, epsilon=0.0))
     start = model.get_weights()
-    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
     model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[watch], verbose=0)
     assert watch.incident["phase"] == "update"
     with open(tmp_path / "repro" / TRIALS_FILE) as f:
@@ -286,7 +288,7 @@ def test_a_nan_row_is_fixed_by_dropping_it_and_the_session_writes_the_trials(tmp
     y = np.ones((len(x), 1), "float32")
     model = mlp(3, [4])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    watch = tb_nanwatch.NanWatch(str(tmp_path))
+    watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
     model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[watch], verbose=0)
     assert watch.incident["step"] == 3 and watch.incident["phase"] == "input"
     with open(tmp_path / "repro" / TRIALS_FILE) as f:
@@ -436,7 +438,12 @@ def test_without_a_bundle_or_rewind_point_nothing_is_tried_and_says_why():
 def test_the_trials_file_is_written_only_where_it_is_ours(tmp_path):
     model, saved, cause = nan_row_case()
     found = trials.run_trials(
-        model, cause, trials.TrialData(bundle=saved), None, WatchOptions(), print
+        model,
+        cause,
+        trials.TrialData(bundle=saved),
+        None,
+        WatchOptions(trial_budget_s=lib.TRIAL_BUDGET_S),
+        print,
     )
     path = trials.write_trials(str(tmp_path), 3, cause, found)
     with open(path) as f:
