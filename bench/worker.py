@@ -78,11 +78,17 @@ def dir_bytes(path: str) -> int:
 
 def parse_model(spec: str) -> dict:
     """``mlp`` | ``conv`` | ``lstm`` | ``resnet50`` | ``transformer`` |
-    ``mlpdeep:<depth>:<width>:<batch>``."""
+    ``transformer110m`` | ``mlpdeep:<depth>:<width>:<batch>``."""
     if spec == "resnet50":
         return {"kind": "resnet50", "batch": 16}
     if spec == "transformer":
         return {"kind": "transformer", "batch": 16}
+    if spec == "transformer110m":  # BERT-base-sized: 12 x 768, vocabulary 16000, 110M parameters
+        return {
+            "kind": "transformer",
+            "batch": 4,
+            "shape": {"vocab": 16000, "width": 768, "blocks": 12, "seq": 64},
+        }
     if spec == "mlp":
         return {"kind": "mlp", "depth": 12, "width": 256, "batch": 64}
     if spec == "conv":
@@ -142,9 +148,11 @@ def build(spec: dict, jit_compile: bool = False):
         x = rng.standard_normal((512, 64, 64, 3)).astype("float32")
         y = rng.integers(0, 10, 512)
     elif kind == "transformer":
-        inputs, outputs = _transformer(keras)
-        x = rng.integers(0, 2000, (512, 64)).astype("int32")
-        y = rng.integers(0, 2000, (512, 64))
+        shape = spec.get("shape", {})
+        vocab, seq = shape.get("vocab", 2000), shape.get("seq", 64)
+        inputs, outputs = _transformer(keras, **shape)
+        x = rng.integers(0, vocab, (512, seq)).astype("int32")
+        y = rng.integers(0, vocab, (512, seq))
     else:
         raise ValueError(kind)
     model = keras.Model(inputs, outputs, name=kind)
@@ -157,12 +165,14 @@ def build(spec: dict, jit_compile: bool = False):
 
 
 def _transformer(keras, vocab: int = 2000, width: int = 128, blocks: int = 4, seq: int = 64):
-    """A small post-norm transformer encoder LM: Embedding, 4 x [MHA(4 heads) +
-    LayerNorm + Dense 512 gelu + Dense 128 + LayerNorm], Dense(vocab) head."""
+    """A post-norm transformer encoder LM: Embedding, ``blocks`` x [MHA (64-wide
+    heads) + LayerNorm + Dense 4*width gelu + Dense width + LayerNorm],
+    Dense(vocab) head. The defaults: the small one (4 x 128, 4 heads)."""
     inputs = keras.Input((seq,), dtype="int32", name="tokens")
     h = keras.layers.Embedding(vocab, width, name="embed")(inputs)
+    heads = max(4, width // 64)
     for i in range(blocks):
-        a = keras.layers.MultiHeadAttention(4, width // 4, name=f"block{i}_attn")(h, h)
+        a = keras.layers.MultiHeadAttention(heads, width // heads, name=f"block{i}_attn")(h, h)
         h = keras.layers.LayerNormalization(name=f"block{i}_norm1")(h + a)
         f = keras.layers.Dense(4 * width, activation="gelu", name=f"block{i}_ffn1")(h)
         f = keras.layers.Dense(width, name=f"block{i}_ffn2")(f)

@@ -6,8 +6,8 @@
 Writes two demo runs (seed 000, NaN born inside a nested model, and the
 healthy run) with demo/run_all.py into a temporary log dir, starts TensorBoard
 on a free port, opens the NaN Watch tab in headless Chromium (Playwright,
-Debian's /usr/bin/chromium or NANWATCH_CHROMIUM) at 1600 px wide, saves the
-PNG and stops TensorBoard.
+Debian's /usr/bin/chromium or NANWATCH_CHROMIUM) at 1600 px wide (``--width``;
+``--dark`` in a dark colour scheme), saves the PNG and stops TensorBoard.
 """
 
 from __future__ import annotations
@@ -39,13 +39,16 @@ def runs_listed(base: str) -> int:
         return len(json.load(response)["runs"])
 
 
-def screenshot(base: str, out: Path, width: int, height: int) -> None:
+def screenshot(base: str, out: Path, width: int, height: int, dark: bool = False) -> None:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": width, "height": height})
+            scheme = "dark" if dark else "light"  # TensorBoard and the tab follow it
+            page = browser.new_page(
+                viewport={"width": width, "height": height}, color_scheme=scheme
+            )
             page.goto(f"{base}/#nanwatch")
             frame = page.frame_locator(IFRAME)
             timeout_ms = TIMEOUT_S * 1000
@@ -66,6 +69,7 @@ def main() -> int:
     parser.add_argument("--logdir", type=Path, help="serve these runs; write no demo runs")
     parser.add_argument("--width", type=int, default=1600)
     parser.add_argument("--height", type=int, default=1250)
+    parser.add_argument("--dark", action="store_true", help="the browser prefers a dark theme")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="nanwatch_shot_") as tmp:
         logdir = args.logdir
@@ -79,7 +83,7 @@ def main() -> int:
         with tensorboard_process(
             logdir, log_path, ready, extra_args=extra, timeout=TIMEOUT_S
         ) as base:
-            screenshot(base, args.out, args.width, args.height)
+            screenshot(base, args.out, args.width, args.height, args.dark)
     print(f"wrote {args.out} ({args.out.stat().st_size // 1024} KB)")
     return 0
 

@@ -184,9 +184,10 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from tb_nanwatch.record.after_incident import bundle, replay
 
     try:
-        custom = _import_modules(args.imports or [])
+        custom = _import_modules(args.imports or [], args.run_dir)
     except Exception as error:  # noqa: BLE001 - the user's module: any error is theirs
-        print(f"tb-nanwatch replay: error: --import: {type(error).__name__}: {error}", file=err)
+        text = f"--import: {type(error).__name__}: {_one_line(error)}"
+        print(f"tb-nanwatch replay: error: {text}", file=err)
         return EXIT_USAGE
     try:
         saved = bundle.load_bundle(args.run_dir)
@@ -259,8 +260,13 @@ def _one_line(error: BaseException) -> str:
 _UNKNOWN_OBJECT = re.compile(r"Could not locate (?:class|function) '([^']+)'")
 
 
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
 def _load_error(error: BaseException, info: dict) -> str:
-    """One line: which class could not be rebuilt and how to pass it."""
+    """One line (made printable): which class could not be rebuilt and how
+    to pass it. The module named in the run dir is quoted only when it is a
+    module name (never a path: a file the run dir carries is never advised)."""
     text = str(error)
     if "safe_mode" in text:
         return f"{_one_line(error)} (pass --unsafe to load it, for a run dir you trust)"
@@ -274,39 +280,50 @@ def _load_error(error: BaseException, info: dict) -> str:
         if isinstance(entry, dict) and name in (entry.get("name"), entry.get("registered_name"))
     ]
     module = known[0].get("module") if known else None
-    if module and module != "__main__":
-        how = f"pass --import {module} (the module that defines it)"
-    elif module == "__main__":
+    own = "your own copy of it: a module on your path or a .py file outside the run dir"
+    if module == "__main__":
         how = (
             "it was defined in the training script itself: put it in a module and pass "
-            "--import that module (a name on the path, or a .py file)"
+            f"--import that module ({own})"
         )
+    elif isinstance(module, str) and _MODULE_NAME.fullmatch(module):
+        how = f"pass --import {module}, {own}"
     else:
-        how = "pass --import MODULE, the module that defines it (a name or a .py file)"
-    return f"the model uses {name}, which is not known here: {how}"
+        how = f"pass --import MODULE, the module that defines it ({own})"
+    return printable(f"the model uses {name}, which is not known here: {how}")
 
 
-def _import_modules(names: list[str]) -> dict:
-    """Imports each ``--import`` (a module name, looked up from the current
-    directory too, or a ``.py`` file); returns the classes and functions they
-    define, by name, for ``keras.saving.load_model``'s ``custom_objects``."""
+def _import_modules(names: list[str], run_dir: str) -> dict:
+    """Imports each ``--import`` (a module name, looked up on the path with
+    the current directory last, or a ``.py`` file); returns the classes and
+    functions they define, by name, for ``keras.saving.load_model``'s
+    ``custom_objects``. Nothing inside the run dir is imported: a file there
+    is refused, and the path is searched without the run dir's entries."""
     import importlib
     import importlib.util
 
+    from tb_nanwatch.evidence import run_dir_box
+    from tb_nanwatch.record.after_incident import bundle, bundle_files
+
+    box = bundle_files.bundle_box(os.fspath(run_dir))[0]
     found: dict = {}
     for name in names:
         if name.endswith(".py") or os.sep in name:
+            if run_dir_box.within(box, name):
+                raise ImportError(f"{name} is inside the run dir: what it carries is never run")
             stem = os.path.splitext(os.path.basename(name))[0]
             spec = importlib.util.spec_from_file_location(stem, os.path.abspath(name))
             if spec is None or spec.loader is None:
                 raise ImportError(f"--import {name}: not a Python file")
             module = importlib.util.module_from_spec(spec)
             sys.modules[stem] = module
-            spec.loader.exec_module(module)
+            with bundle.imports_outside(box):  # what it imports in turn, too
+                spec.loader.exec_module(module)
         else:
             if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(name)
+                sys.path.append(os.getcwd())  # last: never before the installed modules
+            with bundle.imports_outside(box):
+                module = importlib.import_module(name)
         for attribute, value in vars(module).items():
             if callable(value) and getattr(value, "__module__", None) == module.__name__:
                 found[attribute] = value
@@ -361,7 +378,8 @@ def _trial_input(run_dir: str, saved):
 
 
 def _progress(err: TextIO):
-    return lambda line: print(line, file=err, flush=True)
+    # Remedy ids, settings and whys may quote the run dir's names.
+    return lambda line: print(printable(line), file=err, flush=True)
 
 
 def _run_of(run_dir: str) -> dict:

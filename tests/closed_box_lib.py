@@ -84,22 +84,30 @@ print("RESULTS " + json.dumps(results))
 
 
 def guarded_cli(
-    commands: list[list[str]], outside: list[str], *, tensorflow: bool = False
+    commands: list[list[str]],
+    outside: list[str],
+    *,
+    tensorflow: bool = False,
+    cwd: str = REPO,
+    path: tuple[str, ...] = (),
 ) -> list[dict]:
     """Runs each ``tb-nanwatch`` command (argv list) in one fresh interpreter;
     for each: ``code``, ``out``, ``err`` (stderr and log lines), ``crash`` (a
     traceback or None), ``touched`` (file operations under ``outside``),
     ``grew_mb`` (peak memory growth) and ``peak_mb``. ``tensorflow``: the
-    commands need it (replay); it is imported before the first is measured."""
+    commands need it (replay); it is imported before the first is measured.
+    ``cwd``: where it runs (first on its ``sys.path``, as ``python -m``
+    puts it); ``path``: more ``PYTHONPATH`` entries."""
     spec = {"commands": commands, "outside": outside, "notf": not tensorflow}
     spec["preload_tf"] = tensorflow
-    env = dict(os.environ, PYTHONPATH=REPO, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
+    pythonpath = os.pathsep.join((REPO, *path))
+    env = dict(os.environ, PYTHONPATH=pythonpath, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.run(
         [sys.executable, "-c", HARNESS, json.dumps(spec)],
         capture_output=True,
         text=True,
         env=env,
-        cwd=REPO,
+        cwd=cwd,
         timeout=300,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]

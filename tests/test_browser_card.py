@@ -32,9 +32,10 @@ pytestmark = [
 ]
 
 
+# As the bundle writes it: a first line wider than the card's code box at 1024 px.
 SNIPPET = (
-    'bundle = tb_nanwatch.load_bundle("logs/adam_lr_5")\n'
-    "bundle.replay(model)  # runs step 37 again, eagerly"
+    "bundle = tb_nanwatch.load_bundle('adam_lr_5/repro/step_000000037')  # relative to the log dir\n"
+    "bundle.restore(model); model.train_on_batch(*bundle.batch)"
 )
 OVERFLOW_CAUSE = {
     "id": "growth_overflow",
@@ -58,7 +59,11 @@ OVERFLOW_CAUSE = {
 REMEDY_CODE = "keras.optimizers.Adam(..., clipnorm=1.0)"
 EXPLOSION_CAUSE = {
     "id": "explosion",
-    "summary": "The logits grew from 3 to 8e11 in 2 steps without a NaN yet.",
+    # As long as a real verdict decided by its trials.
+    "summary": "The logits grew from 3 to 8e11 in 2 steps without a NaN yet; the learning rate "
+    "jumped from 0.01 to 0.2 at step 0. Decided by the trials (explosion (no nan/inf yet)): "
+    "clipnorm=1.0 kept the run finite; lr x0.1 did not; linear lr warm-up (36 steps) was not "
+    "tried: no rewind point before the onset.",
     "evidence": {"onset_step": 1, "signal": "logits", "growth_factor": 2.7e11},
     "remedies": [
         {
@@ -99,6 +104,8 @@ VOCABULARY = vocabulary()
 VOCABULARY["causes"]["novel_cause"] = NOVEL_LABEL
 LABELS = VOCABULARY["causes"]
 
+# A run name wider than the run list at 1024 px, with words between separators.
+LONG_RUN = "zz_resnet50_imagenet_mixed_precision/lr_0.5_warmup_2000-steps/run_2026_12_07"
 HOSTILE_CAUSE = {
     "id": "forward_math",
     "summary": f"{XSS_RUN} made a NaN",
@@ -187,6 +194,7 @@ def _fixture_runs() -> dict[str, dict]:
         "legacy": (_incident(25, kind="nan", loss="NaN"), None, None, 26),
         "mixed_precision": (mystery, None, UNKNOWN_CAUSE, 13),
         "novel_cause": (_incident(9, kind="nan", loss="NaN"), None, NOVEL_CAUSE, 10),
+        LONG_RUN: (None, None, None, 20),
         "resnet_explodes": (None, {"step": 1, "signal": "logits"}, EXPLOSION_CAUSE, 6),
     }
     bundles = {
@@ -223,6 +231,7 @@ def _fixture_runs() -> dict[str, dict]:
 
 
 RUNS = _fixture_runs()
+HEADLINE = "First Inf at step 37, born in the forward phase at layer model/dense_3"
 
 
 @pytest.fixture(scope="module")
@@ -297,25 +306,49 @@ def _texts(locator) -> list[str]:
     return [t.strip() for t in locator.all_inner_texts()]
 
 
+def _all_texts(locator) -> list[str]:
+    """The text of each element, shown or inside a collapsed <details>."""
+    return locator.evaluate_all("es => es.map((e) => e.textContent.trim())")
+
+
 # -- the cause leads the card ----------------------------------------------------------
 
 
-def test_card_leads_with_the_cause_then_evidence_remedies_and_details(tab):
+def test_card_reads_headline_first_remedy_other_remedies_then_evidence_and_details(tab):
     t = tab()
     card = t.open()  # the default selection: the first broken run, adam_lr_5
     assert card.locator("xpath=..").get_attribute("data-run") == "adam_lr_5"
     assert card.get_attribute("data-state") == "nonfinite"
-    # The cause block is the card's first child; its summary comes before the title.
-    first = card.locator(":scope > *").first
-    assert first.get_attribute("data-cause") == "growth_overflow"
-    text = card.inner_text()
-    summary = OVERFLOW_CAUSE["summary"]
-    assert text.index(summary) < text.index("First Inf at step 37")
+    # The hierarchy: headline, the remedy it leads with, the others (collapsed), then the rest.
+    blocks = card.locator(":scope > *").evaluate_all(
+        "es => es.map((e) => e.dataset.field || e.className)"
+    )
+    assert blocks == ["headline", "lead-remedy", "other-remedies", "details"]
+    # The headline: what, step, phase, layer, then the cause in one sentence.
+    headline = card.locator("[data-field=headline]")
+    assert headline.locator(".card-title").inner_text() == HEADLINE
+    cause = headline.locator(".cause")
+    assert cause.get_attribute("data-cause") == "growth_overflow"
     label = LABELS["growth_overflow"]
-    assert card.locator("[data-field=cause-label]").inner_text() == f"Cause: {label}"
-    assert card.locator("[data-field=cause-summary]").inner_text() == summary
-    # Evidence, readable: names without underscores, numbers as elsewhere, lists joined.
-    evidence = card.locator(".cause-evidence")
+    assert cause.locator("[data-field=cause-label]").inner_text() == f"Cause: {label}"
+    assert cause.locator("[data-field=cause-summary]").inner_text() == OVERFLOW_CAUSE["summary"]
+    # The first remedy alone, in view; no trial ran: the heading says what to try first.
+    lead = card.locator(".lead-remedy")
+    assert lead.locator("[data-field=lead-heading]").inner_text() == "What to try first"
+    assert _texts(lead.locator("ol.remedies > li")) == OVERFLOW_CAUSE["remedies"][:1]
+    # The others, collapsed, in their rank order.
+    others = card.locator("details.other-remedies")
+    assert others.get_attribute("open") is None
+    assert others.locator("summary").inner_text() == "Other things to try (3)"
+    assert not others.locator("ol.remedies > li").first.is_visible()
+    assert _all_texts(card.locator("ol.remedies > li")) == OVERFLOW_CAUSE["remedies"]
+    others.locator("summary").click()
+    assert _texts(others.locator("ol.remedies > li")) == OVERFLOW_CAUSE["remedies"][1:]
+    ranks = others.locator("ol.remedies > li").evaluate_all("ls => ls.map((l) => l.dataset.rank)")
+    assert ranks == ["2", "3", "4"]
+    # Evidence and details, lighter, after the remedies: readable values, lists joined.
+    more = card.locator("[data-field=details]")
+    evidence = more.locator(".cause-evidence")
     assert evidence.locator("[data-evidence=growth_factor]").inner_text() == "1.000e26"
     assert evidence.locator("[data-evidence=onset_step]").inner_text() == "33"
     assert (
@@ -323,15 +356,14 @@ def test_card_leads_with_the_cause_then_evidence_remedies_and_details(tab):
         == "1400, 2900000, 1.400e29, Inf"
     )
     assert "growth factor" in _texts(evidence.locator("dt"))
-    # Remedies in their rank order, as an ordered list.
-    assert _texts(card.locator("ol.remedies > li")) == OVERFLOW_CAUSE["remedies"]
-    assert text.index("Evidence") < text.index("What to try") < text.index("First Inf at step 37")
-    # The op and its source line under the layer, before the details.
+    weight = "e => parseFloat(getComputedStyle(e).fontSize)"
+    assert more.evaluate(weight) < headline.locator(".card-title").evaluate(weight)
+    text = card.inner_text()
+    assert text.index(HEADLINE) < text.index("What to try first") < text.index("Evidence")
+    # The op and its source line, before the recorded fields.
     op = card.locator("[data-field=op]")
     assert op.inner_text() == "op MatMul (name model/dense_3/MatMul) at model.py:42"
-    assert (
-        text.index("model/dense_3") < text.index("op MatMul") < text.index("optimizer iterations")
-    )
+    assert text.index("Evidence") < text.index("op MatMul") < text.index("optimizer iterations")
     assert card.locator("[data-field=not-reproduced]").count() == 0
     assert card.locator("[data-field=step]").inner_text() == "37"
     assert t.errors == [] and t.dialogs == []
@@ -379,7 +411,17 @@ def test_explosion_only_run_shows_the_explosion_with_its_cause(tab):
     assert card.locator("[data-cause=explosion]").count() == 1
     label = card.locator("[data-field=cause-label]").inner_text()
     assert label == f"Cause: {LABELS['explosion']}"
-    assert text.index(EXPLOSION_CAUSE["summary"]) < text.index("Explosion from step 1")
+    title = "Explosion from step 1: the logits started to blow up, no NaN or Inf yet"
+    assert card.locator(".card-title").inner_text() == title
+    assert text.index(title) < text.index(EXPLOSION_CAUSE["summary"])
+    # The fix that worked leads, with its trial; the others are collapsed.
+    lead = card.locator(".lead-remedy")
+    assert lead.get_attribute("data-outcome") == "fixed"
+    heading = lead.locator("[data-field=lead-heading]").inner_text()
+    assert heading == "Shown to work on a re-run of your steps"
+    others = card.locator("details.other-remedies")
+    assert others.locator("summary").inner_text() == "Other things we tried (2)"
+    others.locator("summary").click()
     remedies = EXPLOSION_CAUSE["remedies"]
     assert _texts(card.locator("ol.remedies .remedy-text")) == [r["text"] for r in remedies]
     assert _texts(card.locator("ol.remedies .remedy-trial")) == [
@@ -422,7 +464,10 @@ def test_unknown_cause_says_so_and_shows_what_was_seen(tab):
     assert card.locator("ol.remedies").count() == 0  # no remedies: no empty list
     # A loss-scaler incident without a recorded origin.
     kind = diagnosis.KIND_TEXT[diagnosis.UNKNOWN_KIND]
-    assert card.locator(".card-title").inner_text() == f"First {kind} at step 12"
+    assert (
+        card.locator(".card-title").inner_text()
+        == f"First {kind} at step 12, born in the update phase"
+    )
     assert card.locator("[data-field=kind]").inner_text() == kind
     op = card.locator("[data-field=op]").inner_text()
     # No source line recorded: none is shown (a card shows only what was recorded).
@@ -436,10 +481,12 @@ def test_unknown_cause_says_so_and_shows_what_was_seen(tab):
 def test_a_cause_only_the_vocabulary_knows_shows_the_label_it_was_sent(tab):
     t = tab()
     card = t.open("novel_cause")
-    assert card.locator(":scope > *").first.get_attribute("data-cause") == "novel_cause"
+    headline = card.locator(":scope > [data-field=headline]")
+    assert headline.locator(".cause").get_attribute("data-cause") == "novel_cause"
     assert card.locator("[data-field=cause-label]").inner_text() == f"Cause: {NOVEL_LABEL}"
-    assert (
-        card.locator(".card-title").inner_text() == f"First {diagnosis.KIND_TEXT['nan']} at step 9"
+    nan = diagnosis.KIND_TEXT["nan"]
+    assert card.locator(".card-title").inner_text() == (
+        f"First {nan} at step 9, born in the forward phase at layer model/dense_3"
     )
     line = t.page.locator('#run-selector .run-item[data-run="novel_cause"] [data-field=cause]')
     assert line.get_attribute("title") == f"{NOVEL_LABEL}: {NOVEL_CAUSE['summary']}"
@@ -455,7 +502,9 @@ def test_older_run_without_the_new_keys_still_shows_its_card(tab):
     t = tab()
     card = t.open("legacy")
     assert card.get_attribute("data-state") == "nonfinite"
-    assert card.locator(".card-title").inner_text() == "First NaN at step 25"
+    assert card.locator(".card-title").inner_text() == (
+        "First NaN at step 25, born in the forward phase at layer model/dense_3"
+    )
     assert card.locator(".cause").count() == 0
     assert card.locator("[data-field=op]").count() == 0
     assert card.locator(".bundle").count() == 0
@@ -511,7 +560,7 @@ def test_hostile_cause_op_and_bundle_strings_render_as_text(tab):
     assert card.locator("[data-field=cause-summary]").inner_text() == f"{XSS_RUN} made a NaN"
     assert card.locator(f'[data-evidence="{XSS_RUN}"]').inner_text() == XSS_RUN
     assert card.locator("[data-evidence=rows]").inner_text() == "<b>0</b>, <b>1</b>, <b>2</b>"
-    assert _texts(card.locator("ol.remedies > li")) == HOSTILE_CAUSE["remedies"]
+    assert _all_texts(card.locator("ol.remedies > li")) == HOSTILE_CAUSE["remedies"]
     assert card.locator("[data-field=op-source]").inner_text() == f"{XSS_RUN}:1"
     assert card.locator("[data-field=bundle-path]").inner_text() == f"repro/{XSS_RUN}"
     assert card.locator("[data-field=bundle-snippet]").inner_text() == f"# {XSS_RUN}\nx = 1"
@@ -576,8 +625,101 @@ def test_card_fits_and_reads_at_each_width_and_theme(tab, width, dark):
         assert ratio >= 4.5, (part, ratio)
     run_line = t.page.locator('#run-selector .run-item[data-run="adam_lr_5"] [data-field=cause]')
     assert _contrast(run_line, t.page.locator('.run-item[data-run="adam_lr_5"]')) >= 4.5
+    # The bundle's code is not clipped: it wraps inside its box, every character shown.
+    _not_clipped(card.locator("pre:has([data-field=bundle-snippet])"), box)
+    assert card.locator("[data-field=bundle-snippet]").inner_text() == SNIPPET
+    # Run names wrap between their words, in the list and as a panel's title.
+    t.page.locator(f'#run-selector .run-item[data-run="{LONG_RUN}"] input').check()
+    title = t.page.locator(f'.run-panel[data-run="{LONG_RUN}"] .run-title')
+    title.wait_for(timeout=TIMEOUT_MS)
+    names = t.page.locator("#run-selector .run-name")
+    assert names.count() == len(RUNS)
+    for name in [*names.all(), title]:
+        breaks = name.evaluate(LINE_BREAKS)
+        assert all(before in NAME_SEPARATORS for before, _ in breaks), (name.inner_text(), breaks)
+    long_name = t.page.locator(f'.run-item[data-run="{LONG_RUN}"] .run-name')
+    assert long_name.evaluate(LINE_BREAKS), "the long name wraps in the run list"
+    assert long_name.inner_text() == LONG_RUN
     ARTIFACTS.mkdir(exist_ok=True)
     t.page.screenshot(path=str(ARTIFACTS / f"card-{width}-{'dark' if dark else 'light'}.png"))
+    assert t.errors == []
+
+
+# Where a line of a text breaks: [character before, character after] of each break.
+LINE_BREAKS = """(e) => {
+  const breaks = [];
+  const walker = document.createTreeWalker(e, NodeFilter.SHOW_TEXT);
+  let top = null, before = "";
+  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+    for (let i = 0; i < n.data.length; i++) {
+      const range = document.createRange();
+      range.setStart(n, i);
+      range.setEnd(n, i + 1);
+      const rect = range.getClientRects()[0];
+      if (!rect) continue;
+      if (top !== null && rect.top > top + 2) breaks.push([before, n.data[i]]);
+      top = rect.top;
+      before = n.data[i];
+    }
+  }
+  return breaks;
+}"""
+NAME_SEPARATORS = set("_/-.:=, ")
+
+
+def _not_clipped(pre, card_box: dict) -> None:
+    """A code box shows all of its text: nothing scrolled out of it, inside the card."""
+    size = pre.evaluate(
+        "e => ({sw: e.scrollWidth, cw: e.clientWidth, sh: e.scrollHeight, ch: e.clientHeight})"
+    )
+    assert size["sw"] <= size["cw"] and size["sh"] <= size["ch"], size
+    outer, code = pre.bounding_box(), pre.locator("code").bounding_box()
+    assert code["x"] + code["width"] <= outer["x"] + outer["width"] + 1, (code, outer)
+    assert outer["x"] + outer["width"] <= card_box["x"] + card_box["width"] + 1
+
+
+FIRST_SCREEN = {1024: 768, 1600: 900}  # the window's height at each width
+
+
+def _on_first_screen(locator, width: int, height: int) -> None:
+    """The element lies wholly inside the window, unscrolled."""
+    box = locator.bounding_box()
+    assert box is not None
+    assert box["x"] >= 0 and box["x"] + box["width"] <= width + 1, box
+    assert box["y"] >= 0 and box["y"] + box["height"] <= height, (box, height)
+
+
+@pytest.mark.parametrize("dark", [False, True], ids=["light", "dark"])
+@pytest.mark.parametrize("width", [1024, 1600])
+def test_headline_and_first_remedy_are_on_the_first_screen(tab, width, dark):
+    """Issue 56: what, where and the cause, and the one remedy to apply with
+    its code and its trial, are read without scrolling."""
+    height = FIRST_SCREEN[width]
+    t = tab(width=width, height=height, dark=dark)
+    for run in ("adam_lr_5", "resnet_explodes"):
+        card = t.open(run)
+        assert t.page.locator(".panels").evaluate("e => e.scrollTop") == 0
+        headline = card.locator("[data-field=headline]")
+        lead = card.locator(".lead-remedy")
+        _on_first_screen(headline, width, height)
+        _on_first_screen(lead, width, height)
+        for part in (".card-title", "[data-field=cause-summary]", "[data-field=lead-heading]"):
+            assert _contrast(card.locator(part), card) >= 4.5, part
+        for part in (".remedy-text", ".remedy-trial", "[data-field=remedy-code]"):
+            if lead.locator(part).count():
+                assert _contrast(lead.locator(part), lead) >= 4.5, part
+        size = "e => parseFloat(getComputedStyle(e).fontSize)"
+        title_size = card.locator(".card-title").evaluate(size)
+        texts = card.locator("p, li, dd, dt, code, summary, h4").evaluate_all(
+            "es => es.map((e) => parseFloat(getComputedStyle(e).fontSize))"
+        )
+        assert title_size > max(texts), (title_size, max(texts))  # the headline leads
+    code = card.locator("[data-field=remedy-code]")  # resnet_explodes: the fix that worked
+    assert code.inner_text() == REMEDY_CODE
+    _on_first_screen(code, width, height)
+    theme = "dark" if dark else "light"
+    ARTIFACTS.mkdir(exist_ok=True)
+    t.page.screenshot(path=str(ARTIFACTS / f"card-first-screen-{width}-{theme}.png"))
     assert t.errors == []
 
 
@@ -664,9 +806,14 @@ def test_card_in_tensorboards_iframe_with_intercepted_routes(browser, tmp_path):
             frame = watched.open_tab(base)
             card = frame.locator("#incident-card[data-state=nonfinite]")
             card.wait_for(timeout=TIMEOUT_MS)
-            assert card.locator(":scope > *").first.get_attribute("data-cause") == "growth_overflow"
-            assert card.locator(".card-title").inner_text() == "First NaN at step 40"
-            assert _texts(card.locator("ol.remedies > li")) == OVERFLOW_CAUSE["remedies"]
+            headline = card.locator(":scope > *").first
+            assert headline.get_attribute("data-field") == "headline"
+            assert headline.locator(".cause").get_attribute("data-cause") == "growth_overflow"
+            assert card.locator(".card-title").inner_text().startswith("First NaN at step 40, ")
+            assert _all_texts(card.locator("ol.remedies > li")) == OVERFLOW_CAUSE["remedies"]
+            # The headline and the first remedy on the first screen, under TensorBoard's bar.
+            for part in (headline, card.locator(".lead-remedy")):
+                _on_first_screen(part, 1024, 1000)
             line = frame.locator('.run-item[data-run="broken"] [data-field=cause]')
             assert line.inner_text().startswith(LABELS["growth_overflow"])
             iframe = watched.page.locator('iframe[src*="plugin_entry.html?name=nanwatch"]')

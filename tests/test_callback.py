@@ -41,6 +41,7 @@ def test_healthy_run_has_no_incident_no_explosion(tmp_path):
     assert watch.journal.skipped_steps == []
     assert watch.journal.steps == 120
     assert len(history.history["loss"]) == 2
+    assert watch.journal.summary()["warnings"] == []  # no early warning either
 
 
 def test_explosion_without_nan_is_flagged_at_the_learning_rate_jump(tmp_path):
@@ -57,6 +58,8 @@ def test_mixed_precision_skips_are_listed_not_incidents(tmp_path, mixed_precisio
     assert watch.incident is None
     skipped = watch.journal.skipped_steps
     assert skipped[:3] == [0, 1, 2]  # the initial loss scale overflows first
+    # A few halvings at the start are no collapse.
+    assert watch.journal.summary()["warnings"] == []
     assert watch.journal.steps == 40
     loss_scale = watch.journal.schema.header_index("loss_scale")
     _, window = watch.journal.flight_window()

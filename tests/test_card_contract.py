@@ -182,9 +182,9 @@ def test_the_heading_says_when_nothing_worked():
     from tb_nanwatch.board import report
 
     failed = [{"id": "lower_lr", "text": "t", "trial": {"outcome": "not_fixed"}}]
-    assert report.remedies_heading(failed) == "What to try: no remedy tried fixed the run:"
+    assert report.remedies_heading(failed) == "Nothing we tried fixed the run; what to try first:"
     fixed = [*failed, {"id": "a", "text": "t", "trial": {"outcome": "fixed"}}]
-    assert report.remedies_heading(fixed).startswith("What to try, best first (the fixes")
+    assert report.remedies_heading(fixed) == "Shown to work on a re-run of your steps:"
 
 
 def test_a_combination_in_a_verdict_is_one_remedy_with_both_texts_and_codes():

@@ -109,14 +109,19 @@ def _log_graph():
     return graph, features, target, loss
 
 
+def _log_batches() -> tuple[np.ndarray, np.ndarray]:
+    """Ten batches for ``_log_graph``: a log of a negative in step 6."""
+    rng = np.random.RandomState(1)
+    x = rng.uniform(0.5, 1.5, (10, 4, 3)).astype("float32")
+    x[6, 1, 0] = -0.5
+    return x, np.zeros((4, 1), "float32")
+
+
 def test_a_log_of_a_negative_under_monitored_training_session_is_a_forward_incident_of_its_scope(
     tmp_path,
 ):
     graph, features, target, loss = _log_graph()
-    rng = np.random.RandomState(1)
-    x = rng.uniform(0.5, 1.5, (10, 4, 3)).astype("float32")
-    x[6, 1, 0] = -0.5  # log of a negative in step 6
-    y = np.zeros((4, 1), "float32")
+    x, y = _log_batches()
     with graph.as_default():
         watch = GraphWatcher(str(tmp_path), loss)
         step = v1.train.get_or_create_global_step()
@@ -215,7 +220,37 @@ def test_the_seed003_tf1_demo_finds_the_backward_nan_with_tf1_behaviour(tmp_path
     first = run["first_nonfinite"]
     keys = ("step", "phase", "layer", "kind")
     assert {k: first[k] for k in keys} == {k: demo.TRUTH[k] for k in keys}
+    assert first.get("iterations") is None  # no global step: not "0" at step 13
+    codes = [r.get("code") or "" for r in run["cause"]["remedies"]]
+    assert not any("keras" in code for code in codes)  # no Keras model: no Keras snippet
     bundle = tb_nanwatch.load_bundle(str(log_dir))
     assert bundle.step == demo.ZERO_STEP and bundle.info["exact"]
     assert (bundle.x["p"][demo.ZERO_ROW] == 0).all() and np.isfinite(bundle.x["p"]).all()
     assert sorted(bundle.weights) == ["decoder/bias", "decoder/kernel", "encoder/kernel"]
+
+
+def test_a_graph_without_a_global_step_says_no_iterations_and_no_keras_snippet(tmp_path, capfd):
+    """No global step: the optimizer's iterations are not known (never "0" at step 6);
+    no Keras model: no trial planned, no ``model.train_on_batch`` offered."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from tb_nanwatch.board import views  # noqa: PLC0415
+
+    graph, features, target, loss = _log_graph()
+    x, y = _log_batches()
+    with graph.as_default():
+        watch = GraphWatcher(str(tmp_path), loss)
+        train_op = watch.minimize(v1.train.GradientDescentOptimizer(0.01))
+        init = v1.global_variables_initializer()
+    _train(graph, watch, train_op, [{features: b, target: y} for b in x], init, loss)
+    incident = watch.incident
+    assert incident["step"] == 6 and incident["iterations"] is None
+    (run,) = report_json(tmp_path)
+    assert run["first_nonfinite"].get("iterations") is None
+    err = capfd.readouterr().err
+    assert "train_on_batch" not in err
+    assert "remedy_trials=False" not in err  # not the user's choice: a graph has no trials
+    summary = watch.journal.summary()
+    snippet = views.bundle_entry(SimpleNamespace(name=".", summary=summary))["snippet"]
+    assert "train_on_batch" not in snippet and "model" not in snippet
+    assert "feed_dict=feed" in snippet and "bundle.x.items()" in snippet

@@ -38,14 +38,15 @@ def test_loss_phase_message(tmp_path, capfd):
     assert incident["phase"] == "loss"
     err = capfd.readouterr().err
     lines = message_lines(err)
-    assert "\nNanWatch: first" in err  # starts on a line of its own
+    assert ("\n" + err).count("\nNanWatch: first") == 1  # one block, on lines of its own
     assert lines[0] == (
         "NanWatch: first non-finite value (inf) at step 0 (epoch 0, batch 0), "
         "born in the loss phase, in the loss (loss of output head)"
     )
     assert "None" not in "\n".join(lines)
-    assert lines[1].startswith("  cause loss_math: ")
-    assert lines[2] == f"  run dir: {run_dir}   details: tb-nanwatch report {run_dir}"
+    assert lines[1].startswith("  cause ")  # loss_math or logits_as_probabilities
+    assert lines[2].startswith("  first remedy: ")
+    assert lines[3] == f"  run dir: {run_dir}   details: tb-nanwatch report {run_dir}"
     bundle_dir = tb_nanwatch.load_bundle(run_dir).directory
     assert lines[-1].startswith(f"  reproduction bundle: {bundle_dir}")
     assert os.path.isdir(bundle_dir)

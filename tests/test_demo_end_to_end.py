@@ -201,6 +201,7 @@ def test_seed002_remedies_were_tried_from_a_rewind_point(report):
 def test_the_healthy_run_is_healthy(report):
     healthy = report["healthy"]
     assert healthy["first_nonfinite"] is None and healthy["explosion"] is None
+    assert healthy["warnings"] == []  # no early warning on a healthy run
     assert healthy["steps"] == healthy_run.STEPS
 
 

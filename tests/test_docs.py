@@ -134,6 +134,21 @@ def test_the_readme_says_how_to_install_without_a_public_index():
     assert "not on a public index" in text
 
 
+def test_the_readme_says_how_a_teammate_installs_with_and_without_tensorflow():
+    """Issue 56: from a wheel built here (or a checkout), the wheel alone for the
+    tab and ``report``, with the TensorFlow extra for ``replay``."""
+    from tb_nanwatch import __version__
+
+    section = README.read_text().split("## Install\n", 1)[1].split("\n## ", 1)[0]
+    assert "pip wheel . --no-deps" in section and "python -m build" in section
+    wheel = f"tb_nanwatch-{__version__}-py3-none-any.whl"
+    plain = next(line for line in section.splitlines() if line.startswith(f"pip install {wheel}"))
+    assert "report" in plain
+    extra = f'pip install "{wheel}[tensorflow-cpu]"'
+    assert any(line.startswith(extra) and "replay" in line for line in section.splitlines())
+    assert "needs no TensorFlow" in section
+
+
 # -- every page -----------------------------------------------------------------
 
 

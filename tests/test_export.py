@@ -113,6 +113,15 @@ def test_exported_file_opens_offline_in_chromium(exported):
             assert card.get_attribute("data-state") == "nonfinite"
             assert card.locator("[data-field=step]").inner_text().strip() == str(INCIDENT)
             assert card.locator("[data-field=layer]").inner_text().strip() == LAYER_NAME
+            # The card's hierarchy, as in the tab: headline, the remedy it leads
+            # with (forward_math has one), then the evidence and the details.
+            blocks = card.locator(":scope > *").evaluate_all("es => es.map((e) => e.dataset.field)")
+            assert blocks == ["headline", "lead-remedy", "details"], blocks
+            title = card.locator("[data-field=headline] .card-title").inner_text()
+            assert (
+                title
+                == f"First NaN at step {INCIDENT}, born in the forward phase at layer {LAYER_NAME}"
+            )
 
             page.locator("#timeline[data-state=ready]").wait_for(timeout=TIMEOUT_MS)
             assert int(page.locator("#timeline").get_attribute("data-series-drawn") or 0) >= 2

@@ -385,3 +385,44 @@ def test_logits_trend_needs_a_climb_not_noise():
     noise = 20.0 + np.random.default_rng(2).uniform(-10, 10, n)
     rec = Record(SCHEMA, incident(n - 1, "loss", kind="inf"), series=series(n, logit_max=noise))
     assert "logits_rising" not in ids(rec)
+
+
+# A hint never contradicts the recorded numbers ----------------------------------
+
+
+def seed001_series(n: int = 361) -> Series:
+    """Like the seed-001 demo: the rate decays to 0 at step 300, |logits| then
+    climb from ~25 to ~500 while the gradients fade to exactly 0."""
+    steps = np.arange(n)
+    logits = np.where(steps < 300, 25.0 + 0.01 * steps, 25.0 * 1.05 ** (steps - 300))
+    rate = np.where(steps < 300, 1e-3 * (1 - steps / 300), 0.0)
+    norm = np.where(steps < 340, 0.05, 0.0)
+    norm[-1] = np.nan  # the incident's gradients
+    return series(n, logit_max=logits, lr=rate, grad_norm=norm)
+
+
+def test_rising_outputs_at_a_rate_of_0_do_not_say_lower_the_rate_or_clip():
+    rec = Record(SCHEMA, incident(360, "loss", kind="inf"), series=seed001_series())
+    hint = only(rec, "logits_rising")
+    text = hint["text"]
+    assert "lower the learning rate or clip" not in text.lower()
+    assert "Lower the learning rate" not in text and "lower the learning rate," not in text
+    assert "learning rate was 0 over steps" in text
+    assert "gradient norm 0 at step 359" in text
+
+
+def test_rising_outputs_with_a_live_rate_keep_the_rate_advice():
+    rec = Record(SCHEMA, incident(50, "loss"), series=series(51, logit_max=rising_logits()))
+    assert "lower the learning rate" in only(rec, "logits_rising")["text"]
+
+
+def test_an_explosion_at_a_rate_of_0_does_not_say_lower_the_rate():
+    rec = Record(
+        SCHEMA,
+        None,
+        explosion={"step": 60, "signal": "loss"},
+        series=series(80, loss=exploding_loss(), lr=np.zeros(80)),
+    )
+    text = only(rec, "explosion")["text"]
+    assert "Lower the learning rate" not in text and "clip gradients (" not in text
+    assert "The learning rate was 0 over steps 60-79" in text

@@ -39,13 +39,13 @@ def test_fit_names_the_op_and_source_line_in_the_report_and_the_console(tmp_path
     op = run["first_nonfinite"]["op"]
     assert (op["type"], op["source"], op["reproduced"]) == ("Log", source, True)
     err = capfd.readouterr().err
-    message = err[err.index("NanWatch: first non-finite") - 1 :]
-    assert message.startswith("\n")  # never glued to Keras' progress bar
+    message = err[err.index("NanWatch: first non-finite") :]
+    assert ("\n" + err).count("\nNanWatch: first non-finite") == 1  # on a line of its own
     assert "at layer log (output of log)" in message and "None" not in message.splitlines()[1]
     assert f"tb-nanwatch report {tmp_path / 'run'}" in message
     assert f"reproduction bundle: {tmp_path / 'run'}/repro/step_" in message
     assert "cause forward_math" in message
-    assert f"op Log (log/Log), forward phase\n  source: {source}" in err
+    assert f"op Log (log/Log), forward phase, at {source}; reproduced" in err
 
 
 def test_custom_loop_replays_with_its_loss_fn(tmp_path):

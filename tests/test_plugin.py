@@ -197,6 +197,7 @@ def test_healthy_incident_is_null(client):
         "explosion": None,
         "heatmap": None,
         "hints": [],
+        "warnings": [],
     }
 
 

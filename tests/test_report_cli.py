@@ -24,6 +24,7 @@ RUN_KEYS = {
     "skipped_steps",
     "cause",
     "recoveries",
+    "warnings",
 }
 INCIDENT_KEYS = {"step", "phase", "layer", "tensor", "kind", "op"}
 CAUSE_KEYS = causes.VERDICT_KEYS
@@ -86,6 +87,7 @@ def test_json_is_exactly_one_object_of_the_documented_shape(logdir):
         "explosion": None,
         "skipped_steps": [],
         "recoveries": [],
+        "warnings": [],
     }
     assert set(by_name["a/big"]["first_nonfinite"]) == INCIDENT_KEYS
     assert by_name["healthy"] == {
@@ -96,6 +98,7 @@ def test_json_is_exactly_one_object_of_the_documented_shape(logdir):
         "skipped_steps": [],
         "cause": None,
         "recoveries": [],
+        "warnings": [],
     }
     assert by_name["skips"]["cause"] is None
     assert by_name["explodes"]["cause"]["id"] == "explosion"
@@ -126,12 +129,16 @@ def test_human_output(logdir):
     assert "explosion onset: none" in blocks["run healthy"]
     assert "explosion onset: step 100 (loss)" in blocks["run explodes"]
     assert "healthy" not in blocks["run explodes"]
-    assert "no NaN/Inf recorded, but the run exploded" in blocks["run explodes"]
+    explodes = blocks["run explodes"].split("\n")
     assert (
-        blocks["run explodes"].split("\n")[1].startswith("  cause (explosion): The loss exploded")
+        explodes[1] == "  Explosion from step 100: the loss started to blow up, no NaN or Inf yet"
     )
-    assert big.split("\n")[1].startswith("  cause (forward_math): model/block0/layer3 turned")
-    assert "    remedy 1: " in big and "    evidence: layer=model/block0/layer3" in big
+    assert explodes[2].startswith("  cause (explosion): The loss exploded")
+    assert big.split("\n")[1] == (
+        "  First NaN at step 250, born in the forward phase at layer model/block0/layer3"
+    )
+    assert big.split("\n")[2].startswith("  cause (forward_math): model/block0/layer3 turned")
+    assert "    remedy 1: " in big and "  evidence: layer=model/block0/layer3" in big
     assert "cause" not in blocks["run healthy"]
     assert "hint: Training is exploding" in blocks["run explodes"]
     assert "skipped steps: 4" in blocks["run skips"]
@@ -225,7 +232,8 @@ def test_op_and_bad_rows_of_an_input_incident(tmp_path):
     lines = out.splitlines()
     first = next(i for i, line in enumerate(lines) if "first non-finite" in line)
     assert lines[first + 1] == ("    op: Cast 'cast_1' at train.py:12 (reproduced by replay)")
-    assert lines[1].startswith("  cause (input_data): The batch of step 3 held Inf")
+    assert lines[1] == "  First Inf at step 3, born in the input phase at layer input_0"
+    assert lines[2].startswith("  cause (input_data): The batch of step 3 held Inf")
 
 
 def test_a_log_dir_that_is_itself_the_run_is_named_by_its_directory(tmp_path):
@@ -234,3 +242,59 @@ def test_a_log_dir_that_is_itself_the_run_is_named_by_its_directory(tmp_path):
     code, out, _ = run_cli("report", str(run_dir))
     assert code == 0
     assert out.splitlines()[0].startswith("run my_experiment: 1 step, ")  # not "run .: 1 steps"
+
+
+TRIED = {
+    "id": "growth_overflow",
+    "summary": "The loss grew 1e26 times before it overflowed.",
+    "evidence": {"onset_step": 33, "growth_factor": 1e26},
+    "remedies": [
+        {
+            "id": "clip_gradients",
+            "text": "Clip the gradients",
+            "code": "keras.optimizers.SGD(..., clipnorm=1.0)",
+            "trial": {"outcome": "fixed", "text": "Tried: clipnorm=1.0 kept 40 steps finite"},
+        },
+        {"id": "lr_warmup", "text": "Warm up", "trial": {"outcome": "not_tried", "text": "n"}},
+        {"id": "lower_lr", "text": "Lower the lr", "trial": {"outcome": "not_fixed", "text": "d"}},
+    ],
+}
+
+
+def test_the_text_reads_in_the_cards_order(logdir):
+    """Headline, cause, the remedy shown to work with its trial and code, the
+    other remedies, the evidence, then the incident's details (issue 56)."""
+    from tb_nanwatch.board import report
+
+    provider = report.load_provider(logdir)
+    runs = report.load_runs(provider)
+    lines = report.format_run(runs["a/big"], [], TRIED).splitlines()
+    order = [
+        "  First NaN at step 250, born in the forward phase at layer model/block0/layer3",
+        "  cause (growth_overflow): The loss grew 1e26 times before it overflowed.",
+        "  Shown to work on a re-run of your steps:",
+        "    remedy 1: Clip the gradients",
+        "      Tried: clipnorm=1.0 kept 40 steps finite",
+        "      code:",
+        "        keras.optimizers.SGD(..., clipnorm=1.0)",
+        "  Other things we tried (2):",
+        "    remedy 2: Warm up",
+    ]
+    assert lines[1 : 1 + len(order)] == order
+    at = {
+        name: next(i for i, line in enumerate(lines) if line.startswith(name))
+        for name in (
+            "    remedy 3: ",
+            "  evidence: ",
+            "  first non-finite: ",
+            "  explosion onset: ",
+        )
+    }
+    assert list(at.values()) == sorted(at.values()), at
+    nothing = {**TRIED, "remedies": TRIED["remedies"][2:] + TRIED["remedies"][1:2]}
+    lines = report.format_cause(nothing)
+    assert lines[1:3] == [
+        "  Nothing we tried fixed the run; what to try first:",
+        "    remedy 1: Lower the lr",
+    ]
+    assert "  Other things to try (1):" in lines  # the one left was not tried

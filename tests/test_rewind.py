@@ -440,6 +440,68 @@ def _mirrored_worker(out: str) -> None:
         json.dump(found, f)
 
 
+def test_mirrored_strategy_trials_reproduce_the_run_and_rewind_applies_the_fix(tmp_path):
+    found = run_worker([__file__, "mirrored_rewind", str(tmp_path)], tmp_path / "result.json")
+    assert found["replicas"] == 2
+    # The record holds the loss Keras reports, not each replica's share of it:
+    # the re-run's loss is Keras' and it reproduced the recorded one.
+    assert found["rerun_loss"] == pytest.approx(found["keras_loss"], rel=1e-6)
+    assert found["fidelity"].startswith("the re-run reproduced the recorded losses")
+    assert found["outcomes"]["raise_epsilon"] == "fixed", found["outcomes"]
+    assert found["recoveries"] == [
+        {
+            "step": 0,
+            "rewound_to": 0,
+            "skipped_batches": 1,
+            "remedy": {"id": "raise_epsilon", "setting": "epsilon=0.0001"},
+        }
+    ]
+    # The fix was set on the run's own optimizer, and training went on, finite.
+    assert found["epsilon"] == pytest.approx(1e-4) and found["weights_finite"] is True
+    assert found["steps"] == 8 and found["keras_losses_finite"] is True
+
+
+def _mirrored_rewind_worker(out: str) -> None:
+    from nanwatch_testlib import TRIAL_BUDGET_S, report_json
+    from scenarios import dead_relu_head
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((3,))
+        live = keras.layers.Dense(1, name="live")(inp)
+        model = keras.Model(inp, keras.layers.Add()([live, dead_relu_head(inp)]))
+        # epsilon 0 and a head whose gradient is exactly 0: 0/0 in the first update.
+        model.compile(optimizer=keras.optimizers.RMSprop(0.01, epsilon=0.0), loss="mse")
+    x = np.random.RandomState(4).uniform(0.5, 1.5, (4 * BATCH, 3)).astype("float32")
+    y = np.ones((len(x), 1), "float32")
+    keras_loss = float(keras.losses.MeanSquaredError()(y[:BATCH], model(x[:BATCH])))
+    run = os.path.join(out, "run")
+    watch = tb_nanwatch.NanWatch(run, on_nonfinite="rewind", trial_budget_s=TRIAL_BUDGET_S)
+    history = model.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, callbacks=[watch], verbose=0
+    )
+    with open(os.path.join(run, "repro", "trials.json")) as f:
+        written = json.load(f)
+    (report,) = report_json(run)
+    found = {
+        "replicas": strategy.num_replicas_in_sync,
+        "keras_loss": keras_loss,
+        "rerun_loss": written["baseline"]["loss_first"],
+        "fidelity": written["fidelity"],
+        "outcomes": {t["remedy"]: t["outcome"] for t in written["trials"]},
+        "recoveries": report["recoveries"],
+        "steps": report["steps"],
+        "epsilon": float(model.optimizer.epsilon),
+        "weights_finite": all(np.isfinite(w).all() for w in model.get_weights()),
+        "keras_losses_finite": bool(np.isfinite(history.history["loss"]).all()),
+    }
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(found, f)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "mirrored":
         _mirrored_worker(sys.argv[2])
+    if sys.argv[1] == "mirrored_rewind":
+        _mirrored_rewind_worker(sys.argv[2])

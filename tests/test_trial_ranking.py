@@ -231,7 +231,7 @@ def test_the_report_lists_the_trials_of_the_run_dir(house_run):
         "      code:",
         "        keras.optimizers.SGD(..., clipnorm=1.0)",
     ]
-    assert "    What to try, best first (the fixes that worked lead):" in lines
+    assert "  Shown to work on a re-run of your steps:" in lines
     body = json.loads(json.dumps(report.run_report(run, cause), allow_nan=False))
     remedies = body["cause"]["remedies"]
     assert [r["id"] for r in remedies] == body["cause"]["remedy_ids"]

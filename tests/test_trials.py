@@ -211,6 +211,26 @@ def dead_head_model(optimizer):
     return model
 
 
+def test_trials_of_an_xla_run_run_under_xla_and_say_so(tmp_path):
+    x = np.random.RandomState(4).uniform(0.5, 1.5, (4 * BATCH, 3)).astype("float32")
+    y = np.ones((len(x), 1), "float32")
+    model = dead_head_model(keras.optimizers.RMSprop(0.01, epsilon=0.0))
+    model.compile(optimizer=model.optimizer, loss="mse", jit_compile=True)
+    watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[watch], verbose=0)
+    # The run record proves the user's step was compiled by XLA.
+    assert watch.journal.summary()["jit_compile"] is True
+    assert watch._recorder.built_for_xla is True
+    assert watch.incident["phase"] == "update"
+    with open(tmp_path / "repro" / TRIALS_FILE) as f:
+        written = json.load(f)
+    # Every re-run (the baseline's and each remedy's) ran under XLA too.
+    assert written["compiled"] == "xla", written.get("compiled")
+    found = {t["remedy"]: t for t in written["trials"]}
+    assert found["raise_epsilon"]["outcome"] == "fixed", found["raise_epsilon"]
+    assert written["baseline"]["outcome"] == "not_fixed"
+
+
 def test_rmsprop_epsilon_zero_is_fixed_by_a_larger_epsilon(tmp_path, capfd):
     x = np.random.RandomState(4).uniform(0.5, 1.5, (4 * BATCH, 3)).astype("float32")
     y = np.ones((len(x), 1), "float32")

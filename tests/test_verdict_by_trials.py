@@ -149,14 +149,33 @@ def test_outputs_that_end_in_a_softmax_are_not_told_to_add_one(summary, probabil
 
 def test_output_activation_is_one_entry_whose_trial_wraps_the_outputs():
     entry = remedies.CATALOGUE["output_activation"]
-    assert entry.trial == changes.OutputActivation("softmax") and not entry.live
+    assert entry.trial == changes.OutputActivation() and not entry.live
     recorded = trial_remedies.Recorded([], rate_before=None, warmup_steps=2)
     (variant,) = trial_remedies.variants("output_activation", recorded)
     assert variant.output_activation == "softmax"
     assert variant.setting == "softmax on the outputs before the loss"
+    binary = dataclasses.replace(recorded, output_activation="sigmoid")
+    (variant,) = trial_remedies.variants("output_activation", binary)
+    assert variant.output_activation == "sigmoid"
     assert vocabulary.vocabulary()["remedies"]["output_activation"] == entry.label
     labels = vocabulary.vocabulary()["causes"]
     assert labels["logits_as_probabilities"] == "Loss reads probabilities, got raw logits"
+
+
+@pytest.mark.parametrize(
+    "loss, units, expected",
+    [
+        ("BinaryCrossentropy", [3], "sigmoid"),
+        ("my_loss", [1], "sigmoid"),
+        ("my_loss", [1, 1], "sigmoid"),
+        ("my_loss", [1, 10], "softmax"),
+        ("SparseCategoricalCrossentropy", [300], "softmax"),
+        (None, None, "softmax"),
+        ("my_loss", "junk", "softmax"),
+    ],
+)
+def test_the_activation_raw_outputs_lack_follows_the_loss_and_the_units(loss, units, expected):
+    assert remedies.expected_activation(loss, units) == expected
 
 
 def test_a_binary_loss_is_told_to_add_a_sigmoid():
@@ -244,10 +263,10 @@ def test_the_cards_heading_says_when_nothing_worked():
       ]));
     """
     assert run_node_module(script) == [
-        "What to try, best first (the fixes that worked lead)",
-        "What to try: no remedy tried fixed the run",
-        "What to try, best first (untested: no remedy trial could run)",
-        "What to try, best first",
+        "Shown to work on a re-run of your steps",
+        "Nothing we tried fixed the run; what to try first",
+        "What to try first (untested: no remedy trial could run)",
+        "What to try first",
     ]
 
 

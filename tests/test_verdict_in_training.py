@@ -12,7 +12,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
-from nanwatch_testlib import report_json
+from nanwatch_testlib import TRIAL_BUDGET_S, report_json
 
 import tb_nanwatch
 from tb_nanwatch.record import session
@@ -65,6 +65,51 @@ def test_raw_logits_into_a_log_of_probabilities_is_named_and_its_remedy_trains(t
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
 
 
+def binary_crossentropy_of_probabilities(y_true, probs):
+    """Binary cross-entropy written for probabilities: -log p, -log(1 - p)."""
+    y_true = tf.cast(y_true, probs.dtype)
+    return -tf.reduce_mean(y_true * tf.math.log(probs) + (1 - y_true) * tf.math.log(1 - probs))
+
+
+def binary_model(sigmoid: bool) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1, activation="sigmoid" if sigmoid else None),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=binary_crossentropy_of_probabilities)
+    return model
+
+
+def test_raw_logits_of_a_binary_model_get_a_sigmoid_in_the_trial_and_on_the_card(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16 * BATCH, 4)).astype("float32")
+    y = (x[:, :1] + x[:, 1:2] > 0).astype("float32")
+    watch = tb_nanwatch.NanWatch(str(tmp_path / "raw"), trial_budget_s=TRIAL_BUDGET_S)
+    binary_model(sigmoid=False).fit(
+        x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[watch]
+    )
+    (run,) = report_json(tmp_path)
+    cause = run["cause"]
+    assert cause["id"] == "logits_as_probabilities", cause
+    first = cause["remedies"][0]
+    assert cause["remedy_ids"][0] == "output_activation", cause["remedy_ids"]
+    assert 'activation="sigmoid"' in first["text"] and "softmax" not in first["code"]
+    assert first["code"] == 'outputs = keras.layers.Activation("sigmoid")(logits)'
+    # The trial wrapped the outputs in the same sigmoid, and it trained.
+    assert first["trial"]["setting"] == "sigmoid on the outputs before the loss"
+    assert first["trial"]["outcome"] == "fixed", first["trial"]
+    # The card, literally: the last Dense ends in the sigmoid.
+    history = binary_model(sigmoid=True).fit(
+        x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0
+    )
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+
+
 def test_the_run_info_records_the_models_ends():
     norm = keras.layers.Normalization()
     norm.adapt(np.random.default_rng(0).normal(size=(32, 3)).astype("float32"))
@@ -81,6 +126,7 @@ def test_the_run_info_records_the_models_ends():
         "first_layer_class": "Normalization",
         "normalizes_inputs": True,
         "output_activations": ["softmax"],
+        "output_units": [5],
     }
     raw = next_token_model(softmax=False)
     assert session.model_ends(raw)["output_activations"] == ["linear"]

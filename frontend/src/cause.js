@@ -1,8 +1,9 @@
 /**
  * The cause verdict of an incident or explosion (the `incident` route's
- * `cause`): a label for its id, the one-sentence summary, the evidence and
- * the remedies, best first, each with how its trial went when it was tried.
- * Labels come from the vocabulary (vocabulary.js).
+ * `cause`), in the pieces the card places (incident_card.js): the label and
+ * one-sentence summary of its headline, the remedy it leads with (the first:
+ * shown to work, when one was) with its trial and code, the other remedies
+ * (collapsed), and the evidence. Labels come from the vocabulary (vocabulary.js).
  * All text goes through `textContent` (dom.js).
  */
 import { el } from "./dom.js";
@@ -58,11 +59,16 @@ export function causeLine(cause) {
   return cause.summary ? `${causeLabel(cause.id)}: ${cause.summary}` : causeLabel(cause.id);
 }
 
-function renderEvidence(evidence, unknown) {
-  const entries = Object.entries(evidence || {});
+/**
+ * The evidence of a cause, as a list of names and values.
+ * @param {{id: string, evidence?: Object}} cause The cause.
+ * @returns {HTMLElement|null} The block (`.cause-evidence-box`), null without evidence.
+ */
+export function renderEvidence(cause) {
+  const entries = Object.entries(cause.evidence || {});
   if (!entries.length) return null;
   return el("div", { class: "cause-evidence-box" }, [
-    el("h4", { text: unknown ? "What was seen" : "Evidence" }),
+    el("h4", { text: cause.id === "unknown" ? "What was seen" : "Evidence" }),
     el(
       "dl",
       { class: "cause-evidence" },
@@ -115,47 +121,65 @@ function renderRemedy(remedy, rank) {
 }
 
 /**
- * The heading over the remedies: whether a tried fix leads, or none worked.
- * @param {Array<{trial: Object|null}>} listed The remedies, as remedyOf reads them.
- * @returns {string} e.g. "What to try, best first (the fixes that worked lead)".
+ * The heading over the remedy the card leads with: whether it was shown to
+ * work, or that no remedy tried fixed the run.
+ * @param {Array<{trial: Object|null}>} listed The remedies, as remedyOf reads them, best first.
+ * @returns {string} e.g. "Shown to work on a re-run of your steps".
  */
 export function remediesHeading(listed) {
   const outcomes = listed.map((remedy) => remedy.trial && String(remedy.trial.outcome));
-  if (outcomes.includes("fixed")) return "What to try, best first (the fixes that worked lead)";
-  if (outcomes.includes("not_fixed")) return "What to try: no remedy tried fixed the run";
-  if (outcomes.some(Boolean)) return "What to try, best first (untested: no remedy trial could run)";
-  return "What to try, best first";
+  if (outcomes.includes("fixed")) return "Shown to work on a re-run of your steps";
+  if (outcomes.includes("not_fixed")) return "Nothing we tried fixed the run; what to try first";
+  if (outcomes.some(Boolean)) return "What to try first (untested: no remedy trial could run)";
+  return "What to try first";
 }
 
-function renderRemedies(remedies, ids) {
-  if (!remedies || !remedies.length) return null;
-  const listed = remedies.map((remedy, i) => remedyOf(remedy, ids?.[i]));
-  return el("div", { class: "cause-remedies-box" }, [
-    el("h4", { text: remediesHeading(listed) }),
-    el(
-      "ol",
-      { class: "remedies" },
-      listed.map((remedy, i) => renderRemedy(remedy, i + 1)),
-    ),
+/** The cause's remedies as the card reads them, best first. */
+const listedRemedies = (cause) => (cause.remedies || []).map((remedy, i) => remedyOf(remedy, cause.remedy_ids?.[i]));
+
+/**
+ * The one remedy the card leads with (the first: the ranking puts the fixes
+ * that worked first), with its trial's result and its code to paste.
+ * @param {{remedies?: Array<Object|string>, remedy_ids?: string[]}} cause The cause.
+ * @returns {HTMLElement|null} The block (`.lead-remedy`), null without remedies.
+ */
+export function renderLeadRemedy(cause) {
+  const listed = listedRemedies(cause);
+  if (!listed.length) return null;
+  return el("section", { class: "lead-remedy", data: { field: "lead-remedy", outcome: listed[0].trial?.outcome ?? "none" } }, [
+    el("h4", { data: { field: "lead-heading" }, text: remediesHeading(listed) }),
+    el("ol", { class: "remedies remedies-lead" }, [renderRemedy(listed[0], 1)]),
   ]);
 }
 
 /**
- * The cause block that leads the incident card: label, summary sentence,
- * evidence, ranked remedies. `unknown` says plainly that no known cause fits.
- * @param {{id: string, summary?: string, evidence?: Object, remedies?: Array<Object|string>, remedy_ids?: string[]}} cause
- *   The cause; each remedy `{id, text, trial}` (`li[data-remedy=ID][data-outcome=…]`,
- *   its trial's line `.remedy-trial`).
- * @returns {HTMLElement} The block (`.cause[data-cause=ID]`).
+ * The remedies after the first, collapsed: "Other things we tried (3)"
+ * ("to try" when none of them was tried).
+ * @param {{remedies?: Array<Object|string>, remedy_ids?: string[]}} cause The cause.
+ * @returns {HTMLElement|null} The `<details class="other-remedies">`, null with one remedy or none.
  */
-export function renderCause(cause) {
+export function renderOtherRemedies(cause) {
+  const others = listedRemedies(cause).slice(1);
+  if (!others.length) return null;
+  const tried = others.some((remedy) => remedy.trial && remedy.trial.outcome !== "not_tried");
+  return el("details", { class: "other-remedies", data: { field: "other-remedies" } }, [
+    el("summary", { text: `Other things ${tried ? "we tried" : "to try"} (${others.length})` }),
+    el("ol", { class: "remedies", attrs: { start: 2 } }, others.map((remedy, i) => renderRemedy(remedy, i + 2))),
+  ]);
+}
+
+/**
+ * The cause in the card's headline: its label and its one-sentence summary.
+ * `unknown` says plainly that no known cause fits.
+ * @param {{id: string, summary?: string}} cause The cause.
+ * @returns {HTMLElement} The line (`.cause[data-cause=ID]`).
+ */
+export function renderCauseLine(cause) {
   const unknown = cause.id === "unknown";
-  return el("section", { class: "cause", data: { cause: cause.id } }, [
-    el("div", { class: "cause-label", data: { field: "cause-label" } }, [
+  return el("div", { class: "cause", data: { cause: cause.id } }, [
+    el("span", { class: "cause-label", data: { field: "cause-label" } }, [
       unknown ? "Cause unknown: the evidence fits no known cause" : `Cause: ${causeLabel(cause.id)}`,
     ]),
     cause.summary ? el("p", { class: "cause-summary", data: { field: "cause-summary" }, text: cause.summary }) : null,
-    renderEvidence(cause.evidence, unknown),
-    renderRemedies(cause.remedies, cause.remedy_ids),
   ]);
 }

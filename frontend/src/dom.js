@@ -37,3 +37,24 @@ export function el(tag, opts = {}, children = []) {
 export function clear(node) {
   while (node.firstChild) node.removeChild(node.firstChild);
 }
+
+/** Characters after which a name may break onto the next line. */
+const NAME_BREAKS = /([_/\-.:=,]+)/;
+
+/**
+ * A name (a run, a layer path) as text nodes with a line-break opportunity
+ * (`<wbr>`) after each `_ / - . : = ,`, so a long name wraps between its
+ * words, never inside one (with `overflow-wrap: break-word` in the CSS, a
+ * single word wider than its box still breaks rather than overflow).
+ * @param {string} name The name.
+ * @returns {Node[]} The nodes, to pass to `el` as children.
+ */
+export function breakableName(name) {
+  const nodes = [];
+  for (const part of String(name).split(NAME_BREAKS)) {
+    if (!part) continue;
+    nodes.push(document.createTextNode(part));
+    if (NAME_BREAKS.test(part)) nodes.push(document.createElement("wbr"));
+  }
+  return nodes;
+}

@@ -1,11 +1,14 @@
 /**
- * Incident card: why, where and when the first NaN/Inf was born. Leads with
- * the cause verdict (when the backend gives one), then the place (phase,
- * layer, op and source line), the details, the reproduction bundle and hints.
+ * Incident card: why, where and when the first NaN/Inf was born, in order of
+ * weight. First the headline (what, step, phase, layer and the cause in one
+ * sentence), then the one remedy shown to work (the first: its trial's
+ * result and its code to paste), then the other remedies collapsed, then, in
+ * a lighter block, the evidence and the details (op and source line, the
+ * recorded fields, the explosion's numbers, the reproduction bundle, hints).
  * Shows a "healthy" card when the run has no incident, and an explosion card
  * when the run only blew up without producing a NaN/Inf.
  */
-import { evidenceText, renderCause } from "./cause.js";
+import { evidenceText, renderCauseLine, renderEvidence, renderLeadRemedy, renderOtherRemedies } from "./cause.js";
 import { el, clear } from "./dom.js";
 import { counted, fmt } from "./format.js";
 import { renderBundle } from "./repro_bundle.js";
@@ -121,12 +124,22 @@ function renderHints(hints) {
   return el("div", { class: "hints-box" }, [el("h4", { text: "Hints" }), list]);
 }
 
-function incidentParts(inc, exp, goto) {
-  const tensor = present(inc.tensor) ? ` (${inc.tensor})` : "";
-  const where = inc.layer ? [" phase at ", el("code", { text: inc.layer }), `${tensor}.`] : [` phase${tensor}.`];
+/**
+ * The headline's first line for an incident: "First Inf at step 37, born in
+ * the forward phase at layer model/dense_3".
+ */
+function incidentTitle(inc) {
+  const where = inc.layer ? [" at layer ", el("code", { data: { field: "headline-layer" }, text: inc.layer })] : [];
+  return el("h3", { class: "card-title" }, [
+    `First ${kindLabel(inc.kind)} at step ${inc.step}`,
+    present(inc.phase) ? `, born in the ${phaseLabel(inc.phase)} phase` : "",
+    ...where,
+  ]);
+}
+
+/** The details of an incident, for the card's lighter block. */
+function incidentDetails(inc, exp, goto) {
   return [
-    el("h3", { class: "card-title", text: `First ${kindLabel(inc.kind)} at step ${inc.step}` }),
-    el("p", { class: "card-summary" }, ["Born in the ", el("strong", { text: phaseLabel(inc.phase) }), ...where]),
     renderOp(inc.op),
     el("dl", { class: "fields" }, [
       field("step", "step", inc.step),
@@ -154,16 +167,32 @@ export function explosionNote(inc, exp) {
   return `Explosion onset ${when}: step ${exp.step} (${exp.signal}).`;
 }
 
-function explosionParts(exp, goto) {
-  if (!exp) return [el("h3", { class: "card-title", text: "No NaN or Inf recorded" })];
+/** The headline's first line for a run that exploded without a NaN/Inf. */
+function explosionTitle(exp) {
+  if (!exp) return el("h3", { class: "card-title", text: "No NaN or Inf recorded" });
+  const what = exp.layer ? `the ${exp.signal} of ${exp.layer}` : `the ${exp.signal}`;
+  return el("h3", { class: "card-title", text: `Explosion from step ${exp.step}: ${what} started to blow up, no NaN or Inf yet` });
+}
+
+/** The details of an explosion, for the card's lighter block. */
+function explosionDetails(exp, goto) {
+  if (!exp) return [];
   return [
-    el("h3", { class: "card-title", text: `Explosion from step ${exp.step}` }),
-    el("p", { class: "card-summary", text: `No NaN/Inf was recorded, but ${exp.signal} started to blow up.` }),
     el("dl", { class: "fields" }, [field("step", "onset step", exp.step), field("signal", "signal", exp.signal), field("layer", "layer", exp.layer)]),
     renderLrChange(exp),
     renderGrowth(exp),
     goto(exp.step),
   ];
+}
+
+/**
+ * The card's lighter block: the evidence, the details, the bundle and the
+ * hints (null when there is none of them).
+ */
+function renderMore(parts) {
+  const shown = parts.filter(Boolean);
+  if (!shown.length) return null;
+  return el("section", { class: "card-more", data: { field: "details" } }, [el("h4", { class: "card-more-title", text: "Evidence and details" }), ...shown]);
 }
 
 /**
@@ -192,22 +221,27 @@ export function renderIncidentCard(container, data, opts = {}) {
     ]);
   };
 
-  if (cause) append(container, renderCause(cause));
+  let title;
+  let details = [];
   if (inc) {
     container.dataset.state = "nonfinite";
-    append(container, ...incidentParts(inc, exp, goto));
+    title = incidentTitle(inc);
+    details = incidentDetails(inc, exp, goto);
   } else if (exp || cause) {
     // A cause without an incident is an explosion's (a run is never "healthy" with a cause).
     container.dataset.state = "explosion";
-    append(container, ...explosionParts(exp, goto));
+    title = explosionTitle(exp);
+    details = explosionDetails(exp, goto);
   } else {
     container.dataset.state = "healthy";
-    container.append(
-      el("h3", { class: "card-title", text: "Healthy" }),
-      el("p", { class: "card-summary", text: "No NaN or Inf and no explosion recorded in this run." }),
-    );
+    title = el("h3", { class: "card-title", text: "Healthy" });
+    details = [el("p", { class: "card-summary", text: "No NaN or Inf and no explosion recorded in this run." })];
   }
-  if (bundle) container.append(renderBundle(bundle));
-  const hints = renderHints(data.hints);
-  if (hints) container.append(hints);
+  const headline = el("header", { class: "card-headline", data: { field: "headline" } }, [title, cause ? renderCauseLine(cause) : null]);
+  const rest = [...details, bundle ? renderBundle(bundle) : null, renderHints(data.hints)];
+  if (cause) {
+    append(container, headline, renderLeadRemedy(cause), renderOtherRemedies(cause), renderMore([renderEvidence(cause), ...rest]));
+  } else {
+    append(container, headline, ...rest);
+  }
 }

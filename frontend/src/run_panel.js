@@ -3,7 +3,7 @@
  * that clicking a step anywhere loads that step's per-layer table.
  */
 import { ApiError, fetchIncident, fetchStep } from "./api.js";
-import { el } from "./dom.js";
+import { breakableName, el } from "./dom.js";
 import { renderHeatmap } from "./heatmap.js";
 import { renderIncidentCard } from "./incident_card.js";
 import { renderStepError, renderStepLoading, renderStepMissing, renderStepTable } from "./step_table.js";
@@ -25,7 +25,7 @@ export function createRunPanel(run, opts = {}) {
   const tableBox = el("div", { class: "step-table", attrs: id("step-table"), data: { state: "idle" } });
   tableBox.append(el("p", { class: "muted", text: "Click a step on the timeline or a heatmap column to see its layers." }));
   const node = el("section", { class: "run-panel", data: { run } }, [
-    el("h2", { class: "run-title", text: run, title: run }),
+    el("h2", { class: "run-title", title: run }, breakableName(run)),
     card,
     el("h3", { class: "section-title", text: "Timeline" }),
     timelineBox,

@@ -1,6 +1,6 @@
 /** Run selector: pick one or several runs to show side by side. */
 import { causeLine } from "./cause.js";
-import { el, clear } from "./dom.js";
+import { breakableName, el, clear } from "./dom.js";
 import { counted } from "./format.js";
 import { kindLabel, phaseLabel } from "./vocabulary.js";
 
@@ -103,7 +103,7 @@ export function createRunSelector(container, onChange, onFilter = () => {}) {
       });
       list.append(
         el("li", { class: `run-item state-${status.state}`, data: { run: run.run, state: status.state } }, [
-          el("label", {}, [box, el("span", { class: "run-name", text: run.run, title: run.run })]),
+          el("label", {}, [box, el("span", { class: "run-name", title: run.run }, breakableName(run.run))]),
           el("div", { class: "run-status", data: { field: "status" }, text: status.text }),
           cause ? el("div", { class: "run-cause", data: { field: "cause", cause: run.cause.id }, text: cause, title: cause }) : null,
         ]),

@@ -5,9 +5,10 @@
  *
  * Magenta line: first non-finite step; dashed line in the text colour:
  * explosion onset; grey dotted line: a learning-rate jump before the onset;
- * green dash-dot line: a rewind (`on_nonfinite="rewind"`: the run went back
- * to a rewind point with a remedy set, its label says which)
- * (their labels sit above the plot, in rows that never overlap); grey bands:
+ * (their labels sit above the plot, in rows that never overlap); green band:
+ * a rewind (`on_nonfinite="rewind"`: the steps it undid, from the step it went
+ * back to through the step it rewound at; its label, in a lane of its own
+ * above the marker labels, says where from, where to and which remedy it set); grey bands:
  * steps skipped by the loss scaler; blue dotted line: the selected step.
  * Zoom by dragging, pan with shift+drag or the arrow buttons, reset with a
  * double-click or the button; "Go to incident" centres the incident (or the
@@ -19,26 +20,23 @@ import { el, clear } from "./dom.js";
 import { downloadName, saveText, timelineCsv, timelineJson } from "./download.js";
 import { createTimelineData, stepOfPoint } from "./timeline_data.js";
 import { cssColor } from "./theme.js";
-import { HEIGHT, REWIND_COLOR, SERIES, createPlot, magnitudeThreshold, placeLabels, toPlotData } from "./timeline_plot.js";
+import { HEIGHT, SERIES, createPlot, magnitudeThreshold, placeLabels, toPlotData } from "./timeline_plot.js";
+
+/** Height of a row of the rewinds' lane, in CSS pixels. */
+const REWIND_ROW = 22;
 
 /**
- * Gives `node` the rewind line's look: a green dashed border on `side`
- * (`borderLeft` for a label, `borderTop` for the key's swatch).
- * @param {HTMLElement} node Element to style.
- * @param {string} side CSS border property.
+ * The words of a rewind's label: "↶ rewound at step 3 to before step 0 ·
+ * clipnorm=1.0", and its tooltip.
+ * @param {{step: number, rewound_to: number, remedy?: {id?: string, setting?: string}, skipped_batches?: number}} r The rewind.
+ * @returns {{text: string, title: string}} The label.
  */
-function styleRewind(node, side) {
-  const color = `var(${REWIND_COLOR})`; // follows the theme
-  node.style[side] = `2px dashed ${color}`;
-  if (side === "borderLeft") node.style.color = color;
-}
-
-/** The key's swatch of the rewind line. */
-function rewindSwatch() {
-  const swatch = el("span", { class: "swatch swatch-rewind-line" });
-  swatch.style.height = "0";
-  styleRewind(swatch, "borderTop");
-  return swatch;
+export function rewindWords(r) {
+  const remedy = r.remedy?.setting || r.remedy?.id || "";
+  const text = `↶ rewound at step ${r.step} to before step ${r.rewound_to}${remedy ? ` · ${remedy}` : ""}`;
+  const batches = typeof r.skipped_batches === "number" ? `; ${r.skipped_batches} batch${r.skipped_batches === 1 ? "" : "es"} not trained on again` : "";
+  const title = `At step ${r.step} the run went back to its weights from before step ${r.rewound_to}${remedy ? ` and set ${remedy}` : ""}${batches}.`;
+  return { text, title };
 }
 
 /** Steps shown either side of the incident by "Go to incident" when not zoomed in closer. */
@@ -73,6 +71,7 @@ export function createTimeline(container, opts) {
   const toolbar = el("div", { class: "timeline-toolbar" }, [
     resetBtn, panLeft, panRight, incidentBtn, info, el("span", { class: "toolbar-gap" }), csvBtn, jsonBtn,
   ]);
+  const rewindStrip = el("div", { class: "timeline-rewinds", data: { field: "rewinds" } });
   const marksStrip = el("div", { class: "timeline-marks", data: { field: "marks" } });
   const chartBox = el("div", { class: "timeline-chart" });
   const keyText = el("div", { class: "timeline-key muted" }, [
@@ -82,11 +81,11 @@ export function createTimeline(container, opts) {
     el("span", { class: "swatch swatch-first" }), " first non-finite  ",
     el("span", { class: "swatch swatch-explosion-line" }), " explosion onset  ",
     el("span", { class: "swatch swatch-lr-line" }), " learning-rate jump before it  ",
-    rewindSwatch(), " rewind  ",
+    el("span", { class: "swatch swatch-rewind" }), " rewind (the steps it undid)  ",
     el("span", { class: "swatch swatch-skipped" }), " skipped steps · ",
     "drag: zoom · shift+drag: pan · double-click: reset · click: layers of that step",
   ]);
-  container.append(toolbar, marksStrip, chartBox, keyText);
+  container.append(toolbar, rewindStrip, marksStrip, chartBox, keyText);
 
   let u = null;
   let selectedStep = null;
@@ -186,6 +185,7 @@ export function createTimeline(container, opts) {
       },
       onSelectRange: userSetRange,
       onMarks: showMarkLabels,
+      onRewinds: showRewindLabels,
       onDrawn({ series, marks, ticks, axes }) {
         // Exposed for tests: what was drawn.
         container.dataset.axisLeft = axes[0];
@@ -206,9 +206,6 @@ export function createTimeline(container, opts) {
     marksStrip.dataset.drawn = key;
     clear(marksStrip);
     const spans = lines.map((line) => el("span", { class: `mark-label mark-label-${line.kind}`, data: { mark: line.kind, step: line.step }, text: line.text }));
-    spans.forEach((span, i) => {
-      if (lines[i].kind === "rewind") styleRewind(span, "borderLeft");
-    });
     marksStrip.append(...spans);
     const placed = placeLabels(
       lines.map((line, i) => ({ x: line.x, width: spans[i].offsetWidth })),
@@ -221,6 +218,35 @@ export function createTimeline(container, opts) {
     });
     const rows = placed.length ? Math.max(...placed.map((p) => p.row)) + 1 : 1;
     marksStrip.style.height = `${rows * rowHeight}px`;
+  }
+
+  /**
+   * The rewinds' labels, in their own lane above the marker labels: each
+   * starts at its band's left edge and spans the band at least; rows never overlap.
+   */
+  function showRewindLabels(bands) {
+    const key = JSON.stringify(bands);
+    if (rewindStrip.dataset.drawn === key) return;
+    rewindStrip.dataset.drawn = key;
+    clear(rewindStrip);
+    const spans = bands.map(({ recovery: r, x0, x1 }) => {
+      const { text, title } = rewindWords(r);
+      const span = el("span", { class: "rewind-label", data: { mark: "rewind", step: r.step, to: r.rewound_to }, text, title });
+      span.style.minWidth = `${Math.max(0, x1 - x0)}px`;
+      return span;
+    });
+    rewindStrip.append(...spans);
+    const placed = placeLabels(
+      bands.map((band, i) => ({ x: band.x0, width: spans[i].offsetWidth })),
+      rewindStrip.clientWidth,
+      0,
+    );
+    placed.forEach(({ left, row }, i) => {
+      spans[i].style.left = `${left}px`;
+      spans[i].style.top = `${row * REWIND_ROW}px`;
+    });
+    const rows = placed.length ? Math.max(...placed.map((p) => p.row)) + 1 : 0;
+    rewindStrip.style.height = `${rows * REWIND_ROW}px`;
   }
 
   function onMouseMove(e) {

@@ -14,6 +14,11 @@
  *  - right axis "logits": logit min and max; logit min is usually negative,
  *    so this axis uses arcsinh with threshold 1 (linear in [-1, 1]).
  *
+ * A rewind (`on_nonfinite="rewind"`) is a band of its own: the steps it undid,
+ * from the step it went back to through the step it rewound at, tinted in the
+ * rewind colour with solid edges; its label lies in a lane of its own above
+ * the plot (timeline.js), never among the marker labels.
+ *
  * Non-finite values are not gaps: each is drawn as a mark at the plot's edge,
  * in its series' colour: ▲ at the top for +Inf, ▼ at the bottom for -Inf and
  * a ◆ at the top for NaN.
@@ -32,9 +37,9 @@ const STEP_INCREMENTS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9].flatMap((k) => [1, 2, 5].
 
 /** Least room per point, in CSS pixels, for a series to show its points. */
 const POINT_SPACE = 12;
-/** The line of a rewind (`on_nonfinite="rewind"`): its colour variable and dash-dot pattern. */
+/** The colour variable of a rewind's band (`on_nonfinite="rewind"`), and its tint's opacity. */
 export const REWIND_COLOR = "--healthy";
-export const REWIND_DASH = [10, 3, 2, 3];
+const REWIND_ALPHA = 0.18;
 
 /** Gap between a marker line and its label, and between two labels of a row, in CSS pixels. */
 const LABEL_GAP = 4;
@@ -75,17 +80,18 @@ export function outputWords(outputWord) {
  * where it clears the labels already there.
  * @param {Array<{x: number, width: number}>} labels Line positions and label widths, CSS pixels.
  * @param {number} width Width available.
+ * @param {number} [gap] Gap between a line and its label, and between two labels of a row.
  * @returns {Array<{left: number, row: number}>} Placement of each label, in input order.
  */
-export function placeLabels(labels, width) {
+export function placeLabels(labels, width, gap = LABEL_GAP) {
   const order = labels.map((label, i) => i).sort((a, b) => labels[a].x - labels[b].x);
   const rowEnds = [];
   const placed = new Array(labels.length);
   for (const i of order) {
     const { x, width: w } = labels[i];
-    let left = x + LABEL_GAP;
-    if (left + w > width) left = Math.max(0, x - LABEL_GAP - w);
-    let row = rowEnds.findIndex((end) => end + LABEL_GAP <= left);
+    let left = x + gap;
+    if (left + w > width) left = Math.max(0, x - gap - w);
+    let row = rowEnds.findIndex((end) => end + gap <= left);
     if (row < 0) row = rowEnds.push(-Infinity) - 1;
     rowEnds[row] = left + w;
     placed[i] = { left, row };
@@ -246,6 +252,51 @@ function vline(u, step, color, dash) {
 }
 
 /**
+ * The rewinds of a `timeline` response with the x extent of their bands, in
+ * CSS pixels from the plot's left edge (clamped to it; those outside the
+ * view left out): from half a step before the step rewound to, to half a
+ * step after the step it rewound at.
+ * @param {Object} u The plot.
+ * @param {Object} tl The `timeline` response.
+ * @returns {Array<{recovery: Object, x0: number, x1: number}>} The bands.
+ */
+export function rewindBands(u, tl) {
+  const width = u.bbox.width / uPlot.pxRatio;
+  const bands = [];
+  for (const r of Array.isArray(tl.recoveries) ? tl.recoveries : []) {
+    if (typeof r.step !== "number" || typeof r.rewound_to !== "number") continue;
+    const x0 = Math.max(0, u.valToPos(r.rewound_to - 0.5, "x"));
+    const x1 = Math.min(width, u.valToPos(r.step + 0.5, "x"));
+    if (x1 > x0) bands.push({ recovery: r, x0, x1 });
+  }
+  return bands;
+}
+
+/** Draws the rewinds' bands (rewindBands): tinted, with solid left and right edges. */
+function drawRewindBands(u, tl) {
+  const dpr = uPlot.pxRatio;
+  const { top, left, height } = u.bbox;
+  const ctx = u.ctx;
+  ctx.save();
+  ctx.fillStyle = cssColor(REWIND_COLOR);
+  ctx.strokeStyle = ctx.fillStyle;
+  ctx.lineWidth = 2 * dpr;
+  for (const { x0, x1 } of rewindBands(u, tl)) {
+    const [a, b] = [left + x0 * dpr, left + x1 * dpr];
+    ctx.globalAlpha = REWIND_ALPHA;
+    ctx.fillRect(a, top, b - a, height);
+    ctx.globalAlpha = 1;
+    ctx.beginPath();
+    for (const x of [a, b]) {
+      ctx.moveTo(x, top);
+      ctx.lineTo(x, top + height);
+    }
+    ctx.stroke();
+  }
+  ctx.restore();
+}
+
+/**
  * The x range a plot opens on: the run's steps plus a little room on the
  * right, so the last step (where a stopped run's NaN is) is not on the edge.
  * @param {number} min First step.
@@ -266,13 +317,15 @@ export function paddedStepRange(min, max) {
  *          onDoubleClick: () => void, onScaleX: () => void,
  *          onSelectRange: (min: number, max: number) => void,
  *          onMarks: (labels: Array<{kind: string, step: number, text: string, x: number}>) => void,
+ *          onRewinds: (bands: Array<{recovery: Object, x0: number, x1: number}>) => void,
  *          onDrawn: (drawn: {series: number, marks: number, ticks: string[][], axes: string[]}) => void}} opts
  *   `getData` returns the `timeline` response on screen; `onMouseDown` returns
  *   true when it took the event (uPlot then ignores it); `onDrawn` reports
  *   after each draw how many series have a path, how many NaN/Inf marks lie
  *   wholly inside the plot, the tick labels of the x, left and right axes and
  *   the titles of the y axes; `onMarks` gets the marker lines drawn (x in CSS
- *   pixels from the chart's left edge) for their labels.
+ *   pixels from the chart's left edge) for their labels; `onRewinds` the
+ *   rewinds' bands (x0/x1 likewise) for theirs.
  * @returns {Object} The uPlot instance.
  */
 export function createPlot(chartBox, opts) {
@@ -287,9 +340,11 @@ export function createPlot(chartBox, opts) {
     return col ? col[idx] : null;
   }
 
-  function drawSkipped(plot) {
+  function drawBands(plot) {
     const tl = getData();
-    if (!tl || !tl.skipped_ranges) return;
+    if (!tl) return;
+    drawRewindBands(plot, tl);
+    if (!tl.skipped_ranges) return;
     const { top, left, width, height } = plot.bbox;
     const ctx = plot.ctx;
     ctx.save();
@@ -346,13 +401,12 @@ export function createPlot(chartBox, opts) {
     if (jump && typeof jump.from === "number" && typeof jump.to === "number") {
       line("lr", jump.step, cssColor("--muted"), [2, 3], `learning rate ${fmt(jump.from)} → ${fmt(jump.to)}: step ${jump.step}`);
     }
-    for (const r of Array.isArray(tl.recoveries) ? tl.recoveries : []) {
-      if (typeof r.step === "number") line("rewind", r.step, cssColor(REWIND_COLOR), REWIND_DASH, String(r.label || `rewind: step ${r.step}`));
-    }
     const selectedStep = opts.getSelectedStep();
     if (selectedStep !== null) vline(plot, selectedStep, cssColor("--accent"), [2, 3]);
     const marks = drawMarks(plot, tl);
     opts.onMarks(labels);
+    const offset = plot.over.offsetLeft;
+    opts.onRewinds(rewindBands(plot, tl).map(({ recovery, x0, x1 }) => ({ recovery, x0: x0 + offset, x1: x1 + offset })));
     const axes = [plot.axes[1].label, plot.axes[2].label];
     opts.onDrawn({ series: plot.series.slice(1).filter((s) => s._paths).length, marks, ticks, axes });
   }
@@ -440,7 +494,7 @@ export function createPlot(chartBox, opts) {
     },
     legend: { live: true, markers: { dash: (self, i) => (SERIES[i - 1]?.dash ? "dashed" : "solid") } },
     hooks: {
-      drawClear: [drawSkipped],
+      drawClear: [drawBands],
       draw: [drawOverlays],
       setScale: [
         (self, key) => {

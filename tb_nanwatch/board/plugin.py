@@ -24,6 +24,7 @@ from werkzeug import wrappers
 
 from tb_nanwatch.board import reader, views
 from tb_nanwatch.evidence import causes, metadata, vocabulary
+from tb_nanwatch.evidence.warning_record import warnings_of
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +258,7 @@ class NanWatchPlugin(base_plugin.TBPlugin):
             "explosion": run.summary.get("explosion"),
             "heatmap": views.heatmap(flight, incident) if flight is not None else None,
             "hints": causes.compute_hints(record),
+            "warnings": warnings_of(run.summary),
         }
 
     def step_impl(self, ctx, experiment: str, run_name: str, step: int) -> dict:

@@ -21,6 +21,7 @@ from tb_nanwatch.evidence import causes, diagnosis, limits, recoveries, run_dir_
 from tb_nanwatch.evidence.causes.case import output_word
 from tb_nanwatch.evidence.printable import printable, printable_lines
 from tb_nanwatch.evidence.recorded import Record
+from tb_nanwatch.evidence.warning_record import warning_line, warnings_of
 
 EXPERIMENT_ID = ""
 logger = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ def run_report(run: reader.Run, cause: dict | None = None) -> dict:
         "skipped_steps": run.skipped_steps(),
         "cause": json_safe(cause),
         "recoveries": recoveries.recoveries(run.summary),
+        "warnings": json_safe(warnings_of(run.summary)),
     }
 
 
@@ -216,7 +218,8 @@ def _bundle_batch(logdir: str, run: reader.Run) -> dict | None:
         return None
     try:
         path = reader.local_bundle_file(logdir, run.name, run.summary, "bundle.npz")
-        with open(path, "rb") as infile, np.load(infile, allow_pickle=False) as arrays:
+        infile = run_dir_box.open_regular(path, "bundle.npz")  # a FIFO: refused, not waited on
+        with infile, np.load(infile, allow_pickle=False) as arrays:
             names = [k for k in arrays.files if k.startswith("batch/")]
             limits.check_npz(infile, names, limits.max_bundle_bytes(), "bundle.npz")
             return {k: arrays[k] for k in names}
@@ -253,41 +256,62 @@ def _number(value: object) -> str:
 
 
 def format_cause(cause: dict) -> list[str]:
-    """The lines of a cause: the sentence, the evidence, the ranked remedies
-    (each with how its trial went, when it was tried)."""
+    """The lines of a cause in the card's order: the sentence, the remedy it
+    leads with (under a heading that says whether it was shown to work) with
+    its trial and code, the other remedies, then the evidence."""
     lines = [f"  cause ({cause['id']}): {cause['summary']}"]
+    remedies = cause["remedies"]
+    if remedies:
+        lines.append(f"  {remedies_heading(remedies)}")
+        lines += _remedy_lines(1, remedies[0])
+    if len(remedies) > 1:
+        lines.append(f"  {other_remedies_heading(remedies[1:])}")
+        for rank, remedy in enumerate(remedies[1:], 2):
+            lines += _remedy_lines(rank, remedy)
     evidence = ", ".join(f"{k}={_number(v)}" for k, v in cause["evidence"].items())
     if evidence:
-        lines.append(f"    evidence: {evidence}")
-    if cause["remedies"]:
-        lines.append(f"    {remedies_heading(cause['remedies'])}")
-    for rank, remedy in enumerate(cause["remedies"], 1):
-        lines.append(f"    remedy {rank}: {causes.remedy_text(remedy)}")
-        trial = remedy.get("trial") if isinstance(remedy, dict) else None
-        if isinstance(trial, dict) and trial.get("text"):
-            lines.append(f"      {trial['text']}")
-        code = remedy.get("code") if isinstance(remedy, dict) else None
-        if isinstance(code, str) and code:
-            lines.append("      code:")
-            lines.extend(f"        {line}" for line in code.splitlines())
+        lines.append(f"  evidence: {evidence}")
     return lines
 
 
-def remedies_heading(remedies: list) -> str:
-    """The heading over the remedies (the card's words): whether a tried fix
-    leads, or none worked."""
-    outcomes = [
+def _remedy_lines(rank: int, remedy: object) -> list[str]:
+    """One remedy: its text, how its trial went (when tried), its code to paste."""
+    lines = [f"    remedy {rank}: {causes.remedy_text(remedy)}"]
+    trial = remedy.get("trial") if isinstance(remedy, dict) else None
+    if isinstance(trial, dict) and trial.get("text"):
+        lines.append(f"      {trial['text']}")
+    code = remedy.get("code") if isinstance(remedy, dict) else None
+    if isinstance(code, str) and code:
+        lines.append("      code:")
+        lines.extend(f"        {line}" for line in code.splitlines())
+    return lines
+
+
+def _outcomes(remedies: list) -> list:
+    return [
         r["trial"].get("outcome")
         for r in remedies
         if isinstance(r, dict) and isinstance(r.get("trial"), dict)
     ]
+
+
+def remedies_heading(remedies: list) -> str:
+    """The heading over the remedy the report leads with (the card's words):
+    whether it was shown to work, or that no remedy tried fixed the run."""
+    outcomes = _outcomes(remedies)
     if "fixed" in outcomes:
-        return "What to try, best first (the fixes that worked lead):"
+        return "Shown to work on a re-run of your steps:"
     if "not_fixed" in outcomes:
-        return "What to try: no remedy tried fixed the run:"
+        return "Nothing we tried fixed the run; what to try first:"
     if outcomes:
-        return "What to try, best first (untested: no remedy trial could run):"
-    return "What to try, best first:"
+        return "What to try first (untested: no remedy trial could run):"
+    return "What to try first:"
+
+
+def other_remedies_heading(others: list) -> str:
+    """The heading over the remedies after the first (the card's words)."""
+    tried = any(outcome != "not_tried" for outcome in _outcomes(others))
+    return f"Other things {'we tried' if tried else 'to try'} ({len(others)}):"
 
 
 def _op_line(op: object) -> str | None:
@@ -302,22 +326,40 @@ def _op_line(op: object) -> str | None:
     return f"    op: {op.get('type')} {op.get('name')!r} at {source} ({outcome})"
 
 
-def format_run(
-    run: reader.Run,
-    run_hints: list[dict] | None = None,
-    cause: dict | None = None,
-    logdir: str | None = None,
-) -> str:
-    """Human-readable lines for one run: the cause first, then the record."""
+def headline(run: reader.Run) -> str:
+    """The run's headline (the card's first line): what, when, in which phase
+    and layer; an explosion's onset and signal; or that it is healthy."""
     summary = run.summary
-    steps = int(summary["steps"])
-    counted = f"{steps} step" if steps == 1 else f"{steps} steps"
-    title = _run_title(run.name, logdir)
-    lines = [f"run {title}: {counted}, {summary.get('status', '?')}"]
-    if cause:
-        lines += format_cause(cause)
     incident = summary.get("first_nonfinite")
     explosion = summary.get("explosion")
+    if incident:
+        kind = diagnosis.KIND_TEXT.get(str(incident.get("kind")), str(incident.get("kind")))
+        phase = f", born in the {incident['phase']} phase" if incident.get("phase") else ""
+        layer = f" at layer {incident['layer']}" if incident.get("layer") else ""
+        return f"First {kind} at step {incident['step']}{phase}{layer}"
+    if explosion:
+        signal = _signal(run)
+        what = (
+            f"the {signal} of {explosion['layer']}" if explosion.get("layer") else f"the {signal}"
+        )
+        return (
+            f"Explosion from step {explosion['step']}: {what} started to blow up, no NaN or Inf yet"
+        )
+    return "healthy: no NaN/Inf recorded"
+
+
+def _signal(run: reader.Run) -> str:
+    """The explosion's signal in the tab's words (a regression's outputs are no logits)."""
+    signal = str(run.summary["explosion"].get("signal"))
+    return output_word(run.summary, run.schema) if signal == "logits" else signal
+
+
+def _details(run: reader.Run) -> list[str]:
+    """The incident's details, the explosion onset, skipped steps and recoveries."""
+    summary = run.summary
+    incident = summary.get("first_nonfinite")
+    explosion = summary.get("explosion")
+    lines = []
     if incident:
         kind = diagnosis.KIND_TEXT.get(str(incident.get("kind")), str(incident.get("kind")))
         where = f"layer {incident['layer']}" if incident.get("layer") else "no layer"
@@ -331,19 +373,31 @@ def format_run(
             lines.append(op)
         if incident.get("note"):
             lines.append(f"  note: {incident['note']}")
-    elif explosion:
-        lines.append("  no NaN/Inf recorded, but the run exploded (onset below)")
-    else:
-        lines.append("  healthy: no NaN/Inf recorded")
     if explosion:
-        signal = str(explosion.get("signal"))
-        if signal == "logits":  # a regression's outputs are no logits: the tab's word
-            signal = output_word(summary, run.schema)
-        lines.append(f"  explosion onset: step {explosion['step']} ({signal})")
+        lines.append(f"  explosion onset: step {explosion['step']} ({_signal(run)})")
     else:
         lines.append("  explosion onset: none")
     lines.append(f"  skipped steps: {run.skipped_count()}")
-    lines += recoveries.report_lines(summary)
+    return lines + recoveries.report_lines(summary)
+
+
+def format_run(
+    run: reader.Run,
+    run_hints: list[dict] | None = None,
+    cause: dict | None = None,
+    logdir: str | None = None,
+) -> str:
+    """Human-readable lines for one run, in the card's order: the headline
+    and the cause, the remedy it leads with, the other remedies, the
+    evidence, then the details and the hints."""
+    steps = int(run.summary["steps"])
+    counted = f"{steps} step" if steps == 1 else f"{steps} steps"
+    title = _run_title(run.name, logdir)
+    lines = [f"run {title}: {counted}, {run.summary.get('status', '?')}", f"  {headline(run)}"]
+    if cause:
+        lines += format_cause(cause)
+    lines += _details(run)
+    lines += [f"  {warning_line(found)}" for found in warnings_of(run.summary)]
     for hint in run_hints or []:
         lines.append(f"  hint: {hint['title']}: {hint['text']}")
     return printable_lines(lines)  # names come from the run dir: no control character

@@ -18,6 +18,7 @@ from tb_nanwatch.evidence import diagnosis, recoveries
 from tb_nanwatch.evidence.causes.case import output_word
 from tb_nanwatch.evidence.recorded import Flight, Series
 from tb_nanwatch.evidence.schema import Entry, Schema
+from tb_nanwatch.evidence.warning_record import warnings_of
 
 # Columns whose most extreme value is the smallest one.
 MIN_COLUMNS = frozenset({"logit_min"})
@@ -59,22 +60,28 @@ def run_entry(run: Run, cause: dict | None = None) -> dict:
         "explosion": summary.get("explosion"),
         "skipped_count": run.skipped_count(),
         "cause": {"id": cause["id"], "summary": cause["summary"]} if cause else None,
+        "warning_count": len(warnings_of(summary)),
     }
 
 
 def bundle_entry(run: Run) -> dict | None:
     """The ``bundle`` of the ``incident`` route: where the reproduction bundle
     is (relative to the run dir), whether it holds exactly the incident step
-    (None: not recorded) and two lines of Python that load and replay it."""
+    (None: not recorded) and the lines of Python that load and replay it (a
+    Keras model's ``train_on_batch``; a TF1 graph's ``feed_dict``)."""
     path = run.summary.get("repro_bundle")
     if not isinstance(path, str) or not path:
         return None
     exact = run.summary.get("repro_bundle_exact")
     location = posixpath.normpath(posixpath.join(run.name.replace("\\", "/"), path))
-    snippet = (
-        f"bundle = tb_nanwatch.load_bundle({location!r})  # relative to the log dir\n"
-        "bundle.restore(model); model.train_on_batch(*bundle.batch)"
-    )
+    load = f"bundle = tb_nanwatch.load_bundle({location!r})  # relative to the log dir\n"
+    if run.summary.get("loop") == "graph":  # a TF1 graph: no Keras model, a feed_dict
+        snippet = load + (
+            "feed = {graph.get_tensor_by_name(f'{name}:0'): x for name, x in bundle.x.items()}\n"
+            "sess.run(train_op, feed_dict=feed)  # the weights before it: bundle.weights"
+        )
+    else:
+        snippet = load + "bundle.restore(model); model.train_on_batch(*bundle.batch)"
     return {"path": path, "exact": exact if isinstance(exact, bool) else None, "snippet": snippet}
 
 
@@ -147,6 +154,7 @@ def timeline(
         "recoveries": [
             {**r, "label": recoveries.marker_label(r)} for r in recoveries.recoveries(summary)
         ],
+        "warnings": warnings_of(summary),
     }
 
 

@@ -132,7 +132,8 @@ class GraphStepBuilder:
         return tf.group(apply, handed, name=name or "nanwatch_train_op")
 
     def _header(self, grad_fields: list[dict], optimizer, global_step) -> None:
-        iterations = global_step if global_step is not None else tf.constant(0)
+        # No global step: the optimizer's iterations are not known (NaN: "not recorded").
+        iterations = global_step if global_step is not None else tf.constant(float("nan"))
         # A cast, not an identity: an identity of a reference variable may alias the
         # buffer that the increment then changes.
         self._iterations = tf.cast(iterations, tf.float32)

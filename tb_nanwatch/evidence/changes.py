@@ -117,9 +117,10 @@ class ClipPredictions:
 @dataclasses.dataclass(frozen=True)
 class OutputActivation:
     """The loss sees ``activation(outputs)``: raw logits fed to a loss that
-    reads probabilities get the softmax (or sigmoid) they lack."""
+    reads probabilities get the softmax (or sigmoid) they lack. None: the one
+    the run's loss and outputs expect (``remedies.expected_activation``)."""
 
-    activation: str = "softmax"
+    activation: str | None = None
 
 
 Change = (

@@ -296,7 +296,7 @@ class RunDiagnosis:
             **(origin or UNRECORDED_ORIGIN),
             "epoch": int(place.epoch),
             "batch": int(place.batch),
-            "iterations": int(self.header(vector, "iterations")),
+            "iterations": _count(self.header(vector, "iterations")),
             "loss": self.header(vector, "loss"),
         }
         if note:
@@ -677,3 +677,8 @@ class SignalReader:
             head.append(max(abs(low), abs(high)) if not math.isnan(low + high) else math.nan)
         layers = np.maximum(np.abs(vector[self._act_min]), np.abs(vector[self._act_max]))
         return np.concatenate([head, layers], dtype=np.float64)
+
+
+def _count(value: float) -> int | None:
+    """A recorded count, None when it was not recorded (NaN: a TF1 graph without a global step)."""
+    return int(value) if math.isfinite(value) else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import zipfile
 from collections.abc import Iterable
 from typing import BinaryIO
@@ -37,6 +38,9 @@ MAX_JSON_DEPTH = 64
 MAX_SKIPPED_STEPS = 1_000_000
 # Arrays one bundle's batch may hold (bundle.json's batch_size, batch_structure).
 MAX_BATCH_PARTS = 4096
+# Arrays one rewind point may hold (rewind.json's weights and optimizer
+# variables plus steps x batch_size); its bytes: max_bundle_bytes().
+MAX_REWIND_ARRAYS = 65536
 
 _DEPTH_CHUNK = 1 << 20
 # +1 for "[" and "{", -1 for "]" and "}", 0 for every other byte.
@@ -107,8 +111,12 @@ def loads_bounded(
 def read_json_bounded(
     path: str, what: str, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH
 ) -> object:
-    """The JSON file ``path`` (a regular file of at most ``max_bytes``), decoded."""
-    with open(path, "rb") as infile:
+    """The JSON file ``path`` (a regular file of at most ``max_bytes``), decoded;
+    anything else (a FIFO, a device) is refused unread, never waited on."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    with os.fdopen(os.open(path, flags), "rb") as infile:
+        if not stat.S_ISREG(os.fstat(infile.fileno()).st_mode):
+            raise ValueError(f"{what} is not a regular file: not read")
         size = os.fstat(infile.fileno()).st_size
         if size > max_bytes:
             raise LimitError(

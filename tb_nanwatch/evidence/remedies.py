@@ -276,8 +276,12 @@ class Remedy:
     code: Callable[[Facts, Trial | None], str | None] | None = None
 
     def code_for(self, facts: Facts, trial: Trial | None) -> str | None:
-        """This remedy's code on ``facts`` with ``trial``'s numbers (None: none)."""
-        return None if self.code is None else self.code(facts, trial)
+        """This remedy's code on ``facts`` with ``trial``'s numbers (None: none,
+        or a Keras snippet for a run without a Keras model: a TF1 graph's)."""
+        code = None if self.code is None else self.code(facts, trial)
+        if code and facts.summary.get("loop") == "graph" and "keras" in code:
+            return None
+        return code
 
 
 # -- the texts ------------------------------------------------------------------
@@ -320,9 +324,36 @@ def _normalize_inputs(f: Facts) -> str:
 
 
 def probability_activation(f: Facts) -> str:
-    """The activation the outputs lack: sigmoid for a binary loss, else softmax."""
-    name = (f.loss_name or "").lower()
-    return "sigmoid" if "binary" in name or "sigmoid" in name else "softmax"
+    """The activation the outputs lack (:func:`expected_activation` of the
+    recorded loss name and output units)."""
+    return expected_activation(f.loss_name, f.summary.get("output_units"))
+
+
+def expected_activation(loss: str | None, output_units: object) -> str:
+    """The activation a loss that reads probabilities expects of raw outputs:
+    sigmoid for a binary loss or when every output has one unit (a softmax
+    over one unit is always 1), else softmax. The card and the trial both
+    decide with this."""
+    name = (loss or "").lower()
+    if "binary" in name or "sigmoid" in name:
+        return "sigmoid"
+    units = output_units if isinstance(output_units, list) else []
+    return "sigmoid" if units and all(u == 1 for u in units) else "softmax"
+
+
+def loss_name(loss: object) -> str | None:
+    """The loss by name: a loss object's class, a function's name, a string
+    as given; None for several differing losses or none."""
+    if isinstance(loss, (list, tuple, dict)):
+        items = loss.values() if isinstance(loss, dict) else loss
+        names = {loss_name(item) for item in items}
+        return names.pop() if len(names) == 1 else None
+    if isinstance(loss, str):
+        return loss
+    if loss is None:
+        return None
+    name = getattr(loss, "__name__", None) or type(loss).__name__
+    return str(name)[:100]
 
 
 def _output_activation(f: Facts) -> str:
@@ -653,7 +684,7 @@ CATALOGUE: dict[str, Remedy] = {
             # Raw outputs fed to a loss that reads probabilities; never to
             # outputs that already end in a sigmoid/softmax.
             applies=lambda f: f.loss_from_logits is not True and not f.outputs_end_in_probabilities,
-            trial=changes.OutputActivation("softmax"),
+            trial=changes.OutputActivation(),
             code=_output_activation_code,
         ),
         Remedy(

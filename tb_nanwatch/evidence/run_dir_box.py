@@ -7,7 +7,10 @@ relative, without ``..``, and must resolve inside the run dir after symlinks
 Writing into a run dir (:func:`safe_write_bytes`, :func:`safe_write_text`)
 never follows a symlink in any component below the run dir, never writes into
 an existing file (it writes its own new temporary file and renames it over the
-name), and never replaces what is not a regular file of this user.
+name), and never replaces what is not a regular file of this user. Reading
+from a run dir (:func:`read_inside`, :func:`list_inside`) never follows a
+symlink in any component below the run dir, and opens only regular files,
+without blocking (a FIFO, a device or a socket is refused with one line).
 
 Local paths only: a URL-like path (``gs://``, ``ram://``) has no symlinks and
 is left to its file system (:func:`is_remote`). Standard library only.
@@ -15,10 +18,12 @@ is left to its file system (:func:`is_remote`). Standard library only.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import stat
 import uuid
+from typing import BinaryIO
 
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -185,3 +190,143 @@ def _write_by_path(run_dir: str, parts: list[str], data: bytes, make_dirs: bool)
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+# -- reading -----------------------------------------------------------------------------
+
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+
+
+def read_inside(run_dir: str, relative: str, max_bytes: int, what: str = "file") -> bytes:
+    """The bytes of the regular file ``run_dir/relative``, at most ``max_bytes``.
+
+    No component below ``run_dir`` may be a symlink, and the file must be a
+    regular file (a FIFO, device or socket is never waited on): else a
+    :class:`RunDirError`. Larger than ``max_bytes``: a ``ValueError`` before
+    anything is read. Missing: ``FileNotFoundError``. Local paths only.
+    """
+    parts = relative_path(relative, what).split("/")
+    try:
+        fd = _open_inside(run_dir, parts, what)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT, f"{what} is missing", os.path.join(run_dir, *parts)
+        ) from None
+    with os.fdopen(fd, "rb") as infile:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise ValueError(
+                f"{what} is {size / 2**20:.1f} MB, more than the {max_bytes / 2**20:g} MB limit"
+            )
+        data = infile.read(size + 1)  # not max_bytes + 1: read() allocates what it is asked
+        if len(data) > size:  # grew meanwhile
+            data += infile.read(max_bytes + 1 - len(data))
+    if len(data) > max_bytes:
+        raise ValueError(f"{what} is more than the {max_bytes / 2**20:g} MB limit")
+    return data
+
+
+def open_regular(path: str, what: str = "file") -> BinaryIO:
+    """``path`` (already checked to be inside its run dir) opened for reading
+    when it is a regular file, never waiting on a FIFO: else a :class:`RunDirError`."""
+    return os.fdopen(_open_regular(path, what), "rb")
+
+
+def list_inside(run_dir: str, relative: str, what: str = "directory") -> list[str]:
+    """The names in the directory ``run_dir/relative``, reached without
+    following a symlink below ``run_dir`` (else a :class:`RunDirError`)."""
+    parts = relative_path(relative, what).split("/")
+    if not _BY_FD:
+        _check_path(run_dir, parts, what, last_is_dir=True)
+        return os.listdir(os.path.join(run_dir, *parts))
+    fds = _open_dirs(run_dir, parts, what)
+    try:
+        return os.listdir(fds[-1])
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+
+
+def _not_followed(what: str, parts: list[str]) -> RunDirError:
+    return RunDirError(
+        f"{what}: {'/'.join(parts)} is a symlink or not a directory: not followed "
+        "(nothing outside the run dir is read)"
+    )
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+    (stat.S_ISLNK, "a symlink"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
+def _not_regular(what: str, mode: int) -> RunDirError:
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return RunDirError(f"{what} is {kind}, not a regular file: not read")
+
+
+def _open_dirs(run_dir: str, parts: list[str], what: str) -> list[int]:
+    """The fds of ``run_dir`` and each directory of ``parts`` below it."""
+    fds = [os.open(run_dir, _DIR_FLAGS)]
+    try:
+        for index, name in enumerate(parts):
+            try:
+                fds.append(os.open(name, _DIR_FLAGS | _NOFOLLOW, dir_fd=fds[-1]))
+            except FileNotFoundError:
+                raise
+            except OSError:  # ELOOP / ENOTDIR
+                raise _not_followed(what, parts[: index + 1]) from None
+    except BaseException:
+        for fd in reversed(fds):
+            os.close(fd)
+        raise
+    return fds
+
+
+def _open_inside(run_dir: str, parts: list[str], what: str) -> int:
+    """A read-only fd of the regular file ``parts`` below ``run_dir``."""
+    if not _BY_FD:
+        _check_path(run_dir, parts, what, last_is_dir=False)
+        return _open_regular(os.path.join(run_dir, *parts), what)
+    fds = _open_dirs(run_dir, parts[:-1], what)
+    try:
+        info = os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_regular(what, info.st_mode)
+        return _open_regular(parts[-1], what, fds[-1])
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+
+
+def _open_regular(path: str, what: str, dir_fd: int | None = None) -> int:
+    """``path`` opened without following a symlink and without blocking,
+    checked to be a regular file once open."""
+    try:
+        fd = os.open(path, _READ_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
+            raise RunDirError(f"{what} is a symlink or a socket: not read") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_regular(what, mode)
+    return fd
+
+
+def _check_path(run_dir: str, parts: list[str], what: str, last_is_dir: bool) -> None:
+    """By path (no dir_fd support): no component below ``run_dir`` a symlink."""
+    directory = run_dir
+    for index, name in enumerate(parts if last_is_dir else parts[:-1]):
+        directory = os.path.join(directory, name)
+        if os.path.islink(directory) or not os.path.isdir(directory):
+            if not os.path.lexists(directory):
+                raise FileNotFoundError(f"{what}: {'/'.join(parts[: index + 1])} is missing")
+            raise _not_followed(what, parts[: index + 1])

@@ -70,24 +70,47 @@ class Trial:
 
     @classmethod
     def from_json(cls, data: object) -> Trial | None:
-        """A trial from its JSON form, or None when it is not one."""
+        """A trial from its JSON form, or None when it is not one (no remedy
+        id, an unknown outcome). An entry with a field of the wrong type (a
+        run dir from anyone: ``"steps": "x"``) is ``not_tried``, :data:`MALFORMED`:
+        never a fix."""
         if not isinstance(data, dict) or data.get("outcome") not in OUTCOMES:
             return None
         remedy = data.get("remedy")
         if not isinstance(remedy, str):
             return None
-        steps = data.get("steps")
+        if not _well_formed(data):
+            return cls(remedy=remedy, outcome="not_tried", why=MALFORMED)
         return cls(
             remedy=remedy,
             outcome=data["outcome"],
-            steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else 0,
-            setting=_text(data.get("setting")),
-            why=_text(data.get("why")),
+            steps=data.get("steps", 0),
+            setting=data.get("setting") or "",
+            why=data.get("why") or "",
             loss_first=_number(data.get("loss_first")),
             loss_last=_number(data.get("loss_last")),
-            learning=data.get("learning") if isinstance(data.get("learning"), bool) else None,
+            learning=data.get("learning"),
             together=_together(data.get("together")),  # absent in older files: ()
         )
+
+
+# The why of a trials.json entry whose fields are not of their types.
+MALFORMED = "malformed entry in trials.json"
+# Each field's check; an absent field (an older file) is its default.
+_FIELDS = {
+    "steps": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53,
+    "setting": lambda v: v is None or isinstance(v, str),
+    "why": lambda v: v is None or isinstance(v, str),
+    "loss_first": lambda v: v is None or _number(v) is not None,
+    "loss_last": lambda v: v is None or _number(v) is not None,
+    "learning": lambda v: v is None or isinstance(v, bool),
+    "together": lambda v: isinstance(v, list) and all(isinstance(r, str) for r in v),
+}
+
+
+def _well_formed(data: dict) -> bool:
+    """Whether every field of a trials.json entry that is there has its type."""
+    return all(check(data[key]) for key, check in _FIELDS.items() if key in data)
 
 
 def combined_id(remedies: Sequence[str]) -> str:
@@ -98,15 +121,7 @@ def combined_id(remedies: Sequence[str]) -> str:
 def _together(value: object) -> tuple[str, ...]:
     if not isinstance(value, list) or len(value) < 2:
         return ()
-    return (
-        tuple(v for v in value if isinstance(v, str))
-        if all(isinstance(v, str) for v in value)
-        else ()
-    )
-
-
-def _text(value: object) -> str:
-    return value if isinstance(value, str) else ""
+    return tuple(value)
 
 
 def _number(value: object) -> float | None:

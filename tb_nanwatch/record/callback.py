@@ -45,7 +45,8 @@ import keras
 import tensorflow as tf
 
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.record.in_step import legacy_keras, train_step
+from tb_nanwatch.record.after_incident.console import keras_bar_ended, keras_bar_follows
+from tb_nanwatch.record.in_step import legacy_keras, schedule_ahead, train_step
 from tb_nanwatch.record.in_step.recorder import StepRecorder
 from tb_nanwatch.record.session import (
     NonFiniteError,
@@ -218,6 +219,8 @@ class NanWatch(keras.callbacks.Callback):
             self._recorder.install()
             options = self._options_for(model)
             run_info = base_run_info(self._recorder, model, model.optimizer, options)
+            planned = schedule_ahead.planned_steps(getattr(self, "params", None))
+            run_info["warnings"] = schedule_ahead.schedule_warnings(model.optimizer, planned)
             if step is legacy_keras:
                 run_info["framework"] = (
                     f"tf_keras {_tf_keras_version()} / tensorflow {tf.__version__}"
@@ -253,6 +256,7 @@ class NanWatch(keras.callbacks.Callback):
             )
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
+        keras_bar_ended()  # Keras' bar ended its line at the epoch's end
         if self._session is not None:
             self._session.begin_epoch(epoch)
 
@@ -262,16 +266,20 @@ class NanWatch(keras.callbacks.Callback):
         session = self._session
         if session is None:
             return
-        incident = session.end_step()
-        if session.stop_requested:
-            recovery = session.recovery
-            gave_up = recovery is not None and recovery.stop_step is not None
-            self._protect_siblings(recovery.stop_step if gave_up else session.incident["step"])
-            self.model.stop_training = True
-        if incident is not None:
-            session.raise_if_asked(incident)
+        try:
+            incident = session.end_step()
+            if session.stop_requested:
+                recovery = session.recovery
+                gave_up = recovery is not None and recovery.stop_step is not None
+                self._protect_siblings(recovery.stop_step if gave_up else session.incident["step"])
+                self.model.stop_training = True
+            if incident is not None:
+                session.raise_if_asked(incident)
+        finally:
+            keras_bar_follows(getattr(self, "params", None))
 
     def on_train_end(self, logs=None) -> None:
+        keras_bar_ended()
         self._restore_model()
         if self._session is not None:
             self._session.close()

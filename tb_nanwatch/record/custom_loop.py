@@ -76,6 +76,7 @@ import keras
 import tensorflow as tf
 
 from tb_nanwatch.evidence.options import WatchOptions, positive_int
+from tb_nanwatch.record.after_incident.console import keras_bar_ended, keras_bar_follows
 from tb_nanwatch.record.in_step.phase_stats import StepInputs
 from tb_nanwatch.record.in_step.recorder import PendingStep, StepPatternError, StepRecorder
 from tb_nanwatch.record.in_step.taps import StepTrace
@@ -366,11 +367,16 @@ class _WatcherCallback(keras.callbacks.Callback):
         self.watcher = watcher
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
+        keras_bar_ended()
         self.watcher.begin_epoch(epoch)
 
     def on_train_batch_end(self, batch, logs=None) -> None:
-        if self.watcher.end_step() and self.model is not None:
-            self.model.stop_training = True
+        try:
+            if self.watcher.end_step() and self.model is not None:
+                self.model.stop_training = True
+        finally:
+            keras_bar_follows(getattr(self, "params", None))
 
     def on_train_end(self, logs=None) -> None:
+        keras_bar_ended()
         self.watcher.close()

@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import posixpath
-import sys
 import uuid
 import warnings
 from collections.abc import Callable
@@ -36,17 +35,27 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_nanwatch.evidence import causes
 from tb_nanwatch.evidence.options import WatchOptions
-from tb_nanwatch.evidence.printable import printable, printable_lines
+from tb_nanwatch.evidence.remedies import loss_name
 from tb_nanwatch.evidence.run_dir_box import is_remote
-from tb_nanwatch.record.after_incident import bundle, follow_up, replay, rewind_points, trials
+from tb_nanwatch.evidence.warning_record import warning_entry, warning_line
+from tb_nanwatch.record.after_incident import (
+    bundle,
+    follow_up,
+    messages,
+    replay,
+    rewind_points,
+    trial_remedies,
+    trials,
+)
+from tb_nanwatch.record.after_incident.console import CONSOLE
 from tb_nanwatch.record.after_incident.recovery import Recovery
 from tb_nanwatch.record.after_incident.rewind_points import (
     RewindNotTaken,
     RewindRing,
     SnapshotDisk,
 )
+from tb_nanwatch.record.after_incident.trial_replica import output_units
 from tb_nanwatch.record.in_step.recorder import StepRecorder
 from tb_nanwatch.record.in_step.taps import variable_path
 from tb_nanwatch.record.writing import crash_safety
@@ -54,7 +63,12 @@ from tb_nanwatch.record.writing.event_writer import RunWriter
 from tb_nanwatch.record.writing.journal import RunJournal
 from tb_nanwatch.record.writing.run_dirs import RunPlacement
 
+describe_incident = messages.describe_incident  # NonFiniteError's words, and the console's
+
 logger = logging.getLogger("tb_nanwatch")
+
+# The early warnings whose predicted step takes a rewind point just before it.
+REWIND_BEFORE = ("schedule_jump", "overflow_forecast")
 
 # The phases whose bundle holds the pre-step weights (see pre_step_weights).
 REPLAYED_PHASES = ("input", "forward", "loss", "backward")
@@ -66,28 +80,6 @@ class NonFiniteError(RuntimeError):
     def __init__(self, incident: dict) -> None:
         super().__init__(describe_incident(incident))
         self.incident = incident
-
-
-def describe_incident(incident: dict) -> str:
-    """The one-line description of an incident (console, ``NonFiniteError``);
-    names are made printable (no control character reaches the terminal)."""
-    return printable(
-        f"first non-finite value ({incident['kind']}) at step {incident['step']} "
-        f"(epoch {incident.get('epoch')}, batch {incident.get('batch')}), "
-        f"born in the {incident['phase']} phase, {_where(incident)}"
-    )
-
-
-def _where(incident: dict) -> str:
-    """Where in the step: a layer, the loss or an input; never "layer None"."""
-    tensor = incident.get("tensor")
-    if incident.get("layer"):
-        return f"at layer {incident['layer']} ({tensor})"
-    if incident["phase"] == "loss":
-        return f"in the loss ({tensor})"
-    if incident["phase"] == "input":
-        return f"in the input ({tensor})"
-    return f"in {tensor}"
 
 
 def check_writable(log_dir: str | os.PathLike, argument: str = "log_dir") -> str:
@@ -219,8 +211,9 @@ NORMALIZING_LAYERS = ("Normalization", "Rescaling", "BatchNormalization", "Layer
 def model_ends(model) -> dict:
     """What the remedies read of the model's ends: ``first_layer_class`` (the
     first layer after the inputs), ``normalizes_inputs`` (it is a
-    normalisation) and ``output_activations`` (each output layer's final
-    activation: ``"softmax"``, ``"sigmoid"``, ``"linear"``, ... None: not known)."""
+    normalisation), ``output_activations`` (each output layer's final
+    activation: ``"softmax"``, ``"sigmoid"``, ``"linear"``, ... None: not known)
+    and ``output_units`` (each output's last dimension)."""
     layers = [
         layer
         for layer in getattr(model, "layers", None) or []
@@ -234,6 +227,7 @@ def model_ends(model) -> dict:
         "first_layer_class": first,
         "normalizes_inputs": first in NORMALIZING_LAYERS,
         "output_activations": [_final_activation(layer) for layer in outputs],
+        "output_units": output_units(model),
     }
 
 
@@ -263,20 +257,6 @@ def _final_activation(layer) -> str | None:
     if isinstance(activation, str):
         return activation
     return getattr(activation, "__name__", None)
-
-
-def loss_name(loss) -> str | None:
-    """The loss by name: a loss object's class, a function's name, a string
-    as given; None for several differing losses or none."""
-    if isinstance(loss, (list, tuple, dict)):
-        names = {loss_name(item) for item in tf.nest.flatten(loss)}
-        return names.pop() if len(names) == 1 else None
-    if isinstance(loss, str):
-        return loss
-    if loss is None:
-        return None
-    name = getattr(loss, "__name__", None) or type(loss).__name__
-    return str(name)[:100]
 
 
 def _setting(optimizer, name: str) -> float | None:
@@ -441,9 +421,10 @@ class WatchSession:
         except Exception as error:  # noqa: BLE001 - never break the user's training
             self.disable(f"recording failed: {error!r}")
             return None
+        self._announce_warnings()
         if incident is not None:
             self.incident = incident
-            print(self._incident_message(incident), file=sys.stderr, flush=True)
+            CONSOLE.lines(self._incident_message(incident))
         self._announce_explosion()
         if self.recovery is not None and self.recovery.after_steps():
             self.stop_requested = True
@@ -451,19 +432,50 @@ class WatchSession:
             self.stop_requested = True
         return incident
 
-    def _incident_message(self, incident: dict) -> str:
-        """The console message: on its own lines (never glued to Keras'
-        progress bar), with the cause, the run dir and the bundle."""
-        lines = ["", f"NanWatch: {describe_incident(incident)}"]
-        try:
-            lines.append(f"  {causes.describe(self.journal.cause())}")
-        except Exception as error:  # noqa: BLE001 - the message must not fail
-            lines.append(f"  cause: not judged ({error!r})")
-        lines.append(f"  run dir: {self.log_dir}   details: tb-nanwatch report {self.log_dir}")
+    def _incident_message(self, incident: dict) -> list[str]:
+        """The incident's console block: what, when, where, the cause and its
+        first remedy, the run dir, the report command and the bundle."""
+        bundle_path = None
         if self.journal.repro_bundle:
-            path = posixpath.join(self.log_dir, self.journal.repro_bundle)
-            lines.append(f"  reproduction bundle: {path}   (tb_nanwatch.load_bundle)")
-        return printable_lines(lines)
+            bundle_path = posixpath.join(self.log_dir, self.journal.repro_bundle)
+        return messages.incident_block(incident, self._cause_lines(), self.log_dir, bundle_path)
+
+    def _cause_lines(self) -> list[str]:
+        """The cause and its first remedy (and whether it will be tried). Never raises."""
+        try:
+            cause = self.journal.cause()
+            return messages.cause_lines(cause, self._trial_plan(messages.first_remedy_id(cause)))
+        except Exception as error:  # noqa: BLE001 - the message must not fail
+            return [f"  cause: not judged ({error!r})"]
+
+    def _trial_plan(self, remedy: str | None) -> str:
+        """Whether the remedy ``remedy`` will be tried, in words."""
+        if remedy is None or trial_remedies.is_advice(remedy):
+            return "advice: nothing to try on a re-run"
+        if not isinstance(self.recorder.model, keras.Model):
+            return "not tried: the trials re-run a Keras model"
+        if not self.options.remedy_trials:
+            return "not tried: remedy_trials=False"
+        if self.worker is not None:
+            return "not tried on a worker of a cluster"
+        if self.options.on_nonfinite == "rewind":
+            return "tried now, on a re-run of the recorded steps"
+        return "tried when training ends, on a re-run of the recorded steps"
+
+    def _announce_warnings(self) -> None:
+        """One console line for each early warning raised since the last call
+        (the journal raises at most one a kind a run). Never raises."""
+        if self.journal is None:
+            return
+        try:
+            for found in self.journal.early_warnings.take_fresh():
+                CONSOLE.lines(f"NanWatch {warning_line(warning_entry(found))}")
+                foreseen = found.get("predicted_step")
+                rewinds = self.rewind is not None and self.options.on_nonfinite == "rewind"
+                if rewinds and foreseen is not None and found["kind"] in REWIND_BEFORE:
+                    self.rewind.expect_trouble(foreseen)
+        except Exception as error:  # noqa: BLE001 - the message must not fail
+            warnings.warn(f"NanWatch could not print an early warning: {error!r}", stacklevel=3)
 
     def _announce_explosion(self) -> None:
         """One console block, once a run, when the journal confirmed an
@@ -477,30 +489,10 @@ class WatchSession:
             return
         self._explosion_announced = True
         try:
-            print(self._explosion_message(onset), file=sys.stderr, flush=True)
+            lr = self._lr_at(int(onset["step"]))
+            CONSOLE.lines(messages.explosion_block(onset, self._cause_lines(), lr, self.log_dir))
         except Exception as error:  # noqa: BLE001 - the message must not fail
             warnings.warn(f"NanWatch could not describe the explosion: {error!r}", stacklevel=3)
-
-    def _explosion_message(self, onset: dict) -> str:
-        """The explosion's console block: the signal, the onset step, its
-        growth, the learning rate at the onset (and a jump), where to look."""
-        what = str(onset.get("signal", "a signal"))
-        if onset.get("layer"):
-            what = f"{what} of layer {onset['layer']}"
-        lines = ["", f"NanWatch: {what} exploded from step {int(onset['step'])} (no NaN/Inf yet)"]
-        factor = onset.get("factor")
-        if isinstance(factor, (int, float)) and math.isfinite(factor):
-            lines.append(f"  growth: {factor:.3g}x its reference level")
-        lr = self._lr_at(int(onset["step"]))
-        jump = onset.get("lr_change")
-        rate = f"learning rate at the onset: {lr:.4g}" if lr is not None else ""
-        if isinstance(jump, dict):
-            change = f"it jumped {jump['from']:.4g} -> {jump['to']:.4g} at step {jump['step']}"
-            rate = f"{rate}; {change}" if rate else f"learning rate: {change}"
-        if rate:
-            lines.append(f"  {rate}")
-        lines.append(f"  run dir: {self.log_dir}   details: tb-nanwatch report {self.log_dir}")
-        return printable_lines(lines)
 
     def _lr_at(self, step: int) -> float | None:
         """The recorded learning rate of ``step`` (from the flight window), or None."""
@@ -755,6 +747,7 @@ class WatchSession:
         if self.journal is None or self.journal.closed:
             return
         self.settled_journal()  # a failure of the worker thread is warned about, not lost
+        self._announce_warnings()
         self._announce_explosion()
         done = follow_up.replay_then_trials(
             self.recorder.model,
@@ -766,10 +759,11 @@ class WatchSession:
                 named=self._name_the_op,
                 then=lambda: self._close_record(status),
                 failed=self._warn_after_training,
+                progress=CONSOLE.progress,
             ),
         )
         if done.trials:
-            follow_up.print_tried(done.trials)
+            follow_up.print_tried(done.trials, self.log_dir)
 
     def _close_record(self, status: str | None) -> bool:
         """The late rewind point, then the final summary; False when the
@@ -886,7 +880,9 @@ class WatchSession:
         incident["op"] = {key: op[key] for key in ("type", "name", "source", "reproduced")}
         if not origin.reproduced and replay._NO_LOSS in origin.detail:
             incident["op"]["why"] = replay.NEEDS_LOSS_FN  # a custom loop without loss_fn=
-        print(f"\nNanWatch replay: {replay.describe(incident['step'], origin)}", file=sys.stderr)
+        directory = posixpath.join(self.log_dir, self.journal.repro_bundle)
+        kept = replay.output_path(directory)
+        CONSOLE.lines(messages.replay_line(incident["step"], origin, kept))
 
 
 _WRITE_FAULTS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT})

@@ -220,11 +220,16 @@ def explosion_sign(case: Case) -> Finding | None:
     factor, value, reference = (rec.explosion.get(k) for k in ("factor", "value", "reference"))
     if not all(isinstance(v, (int, float)) for v in (factor, value, reference)):
         factor, value, reference = peak / median, peak, median
+    idle = optimizer_idle(rec.series, onset, int(rec.series.steps[-1]))
+    advice = (
+        f"Lower the learning rate{lr_text} or clip gradients (clipnorm / global_clipnorm)."
+        if idle is None
+        else NOT_THE_OPTIMIZER.format(idle=idle, what=name)
+    )
     return Finding(
         f"The {name} started to explode at step {onset}: it reached {fmt(value, 4)}, "
         f"{fmt(factor)}x its reference level ({fmt(reference, 4)}), without NaN/Inf so "
-        f"far. Lower the learning rate{lr_text} or clip gradients (clipnorm / "
-        "global_clipnorm).",
+        f"far. {advice}",
         {
             "step": onset,
             "signal": name,
@@ -247,11 +252,46 @@ OUTPUTS_GROWING = (
 OUTPUTS_TITLE = "Outputs grew until the loss broke"
 
 
-def _rising_words(case: Case) -> tuple[str, str, str | None]:
-    """(the quantity, the advice, the sign's title) for logits or a regression's outputs."""
-    if case.output_word() == "logits":
-        return "|logit|", OVERCONFIDENT, None
-    return "|output|", OUTPUTS_GROWING, OUTPUTS_TITLE
+def _rising_words(case: Case, first: int, last: int) -> tuple[str, str, str | None]:
+    """(the quantity, the advice, the sign's title) for logits or a regression's
+    outputs that climbed over steps ``first``-``last``; the advice never
+    contradicts the recorded numbers (a rate of 0: no update made them grow)."""
+    logits = case.output_word() == "logits"
+    what = "|logit|" if logits else "|output|"
+    idle = optimizer_idle(case.rec.series, first, last)
+    if idle is not None:
+        advice = NOT_THE_OPTIMIZER.format(idle=idle, what="logits" if logits else "outputs")
+    else:
+        advice = OVERCONFIDENT if logits else OUTPUTS_GROWING
+    return what, advice, None if logits else OUTPUTS_TITLE
+
+
+NOT_THE_OPTIMIZER = (
+    "{idle}: no update of the optimizer made the {what} grow, so a lower learning rate "
+    "or clipped gradients cannot stop it; look for what scales them inside the model or "
+    "the loss (a temperature, a schedule or a constant of its own)."
+)
+
+
+def optimizer_idle(series: Series | None, first: int, last: int) -> str | None:
+    """What the record says when the optimizer moved nothing over steps
+    ``first``-``last``: ``"The learning rate was 0 over steps A-B"`` (every
+    recorded finite rate 0), with ``"and the gradient norm 0 at step C"`` when
+    the last finite one was 0; None otherwise or when not recorded."""
+    if series is None or "lr" not in series.columns:
+        return None
+    inside = (series.steps >= first) & (series.steps <= last)
+    rates = series.columns["lr"][inside]
+    rates = rates[np.isfinite(rates)]
+    if not len(rates) or np.any(rates != 0):
+        return None
+    said = f"the learning rate was 0 over steps {first}-{last}"
+    norms = series.columns.get("grad_norm")
+    if norms is not None:
+        finite = inside & np.isfinite(norms)
+        if finite.any() and norms[finite][-1] == 0:
+            said += f" and the gradient norm 0 at step {int(series.steps[finite][-1])}"
+    return said[0].upper() + said[1:]
 
 
 def logits_rising(case: Case) -> Finding | None:
@@ -279,7 +319,7 @@ def logits_rising(case: Case) -> Finding | None:
     rises = end - first
     low, high = float(values[first]), float(values[end])
     if rises >= MIN_RISING_STEPS and high >= MIN_RISING_GROWTH * low:
-        what, advice, title = _rising_words(case)
+        what, advice, title = _rising_words(case, int(steps[first]), int(steps[end]))
         return Finding(
             f"The largest {what} rose for {rises} consecutive steps, from {fmt(low, 4)} "
             f"(step {int(steps[first])}) to {fmt(high, 4)} (step {int(steps[end])}), before "
@@ -311,7 +351,8 @@ def _logits_trend(case: Case, values: np.ndarray, steps: np.ndarray, end: int) -
     if not increasing or not medians[-1] >= TREND_GROWTH * medians[0]:
         return None
     first_step, last_step = int(window_steps[0]), int(window_steps[-1])
-    what, advice, title = _rising_words(case)
+    climb = np.array_split(window_steps, TREND_SEGMENTS)[-1]  # the last stretch: the climb
+    what, advice, title = _rising_words(case, int(climb[0]), last_step)
     return Finding(
         f"The largest {what} climbed steadily over the {len(window)} steps before the "
         f"incident: its median over {TREND_SEGMENTS} successive stretches went "

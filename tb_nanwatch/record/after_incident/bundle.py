@@ -18,17 +18,22 @@ answer is written beside it as ``replay.json`` (``tb_nanwatch.record.after_incid
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
+import os
 import posixpath
+import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from tb_nanwatch.evidence import limits, run_dir_box
 from tb_nanwatch.record.after_incident import bundle_files
 from tb_nanwatch.record.after_incident.bundle_files import BUNDLE_DIR
-from tb_nanwatch.record.writing.files import gfile
 
 MODEL_FILE = "model.keras"
 # Beside a rewind point without a bundle (an explosion): what bundle.json says of the model.
@@ -339,11 +344,37 @@ def load_model(
     if not bundle.info.get("model"):
         reason = bundle.info.get("model_not_saved", "it was recorded without one")
         raise FileNotFoundError(f"no model saved beside the bundle in {bundle.directory}: {reason}")
-    path = bundle_files.member(bundle.directory, bundle.info["model"], "the bundle's model")
-    if not gfile().exists(path):
-        raise FileNotFoundError(f"the bundle's model file {path} is missing")
-    model = keras.saving.load_model(path, custom_objects=custom_objects, safe_mode=not unsafe)
-    loss = bundle.info.get("replay_loss")
-    if loss is None:
-        return model, None
-    return model, keras.saving.deserialize_keras_object(loss, custom_objects=custom_objects)
+    data = bundle_files.read_member(
+        bundle.directory, bundle.info["model"], limits.max_bundle_bytes(), "the bundle's model"
+    )
+    run_dir = bundle_files.bundle_box(bundle.directory)[0]
+    # A private copy: Keras opens it by name, and the run dir may change under it.
+    with tempfile.TemporaryDirectory(prefix="nanwatch-model-") as private:
+        path = os.path.join(private, MODEL_FILE)
+        with open(path, "xb") as copy:
+            copy.write(data)
+        del data
+        with imports_outside(run_dir):
+            model = keras.saving.load_model(
+                path, custom_objects=custom_objects, safe_mode=not unsafe
+            )
+            loss = bundle.info.get("replay_loss")
+            if loss is None:
+                return model, None
+            return model, keras.saving.deserialize_keras_object(
+                loss, custom_objects=custom_objects, safe_mode=not unsafe
+            )
+
+
+@contextlib.contextmanager
+def imports_outside(run_dir: str) -> Iterator[None]:
+    """While the block runs, ``sys.path`` holds no entry inside ``run_dir``
+    (the current directory included, when it is inside): no import, Keras'
+    lookup of a class's module included, can load code the run dir carries."""
+    saved = list(sys.path)
+    if not run_dir_box.is_remote(run_dir):
+        sys.path[:] = [p for p in saved if not run_dir_box.within(run_dir, p or os.curdir)]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved

@@ -1,10 +1,12 @@
 """The files of a reproduction bundle, read and written inside the run dir.
 
-A bundle dir ``<run dir>/repro/step_<N>/`` may come from anyone: every file of
-it is opened only when it resolves inside the run dir (and inside the bundle
-dir) after symlinks, every path named in ``bundle.json`` must be relative,
-and what ``bundle.json`` and ``bundle.npz`` declare is checked against
-:mod:`tb_nanwatch.evidence.limits` before anything is loaded. Writes never
+A bundle dir ``<run dir>/repro/step_<N>/`` (or ``repro/rewind/``, which holds
+the model of an explosion) may come from anyone: every file of it is read
+inside the run dir without following a symlink below it, only when it is a
+regular file and never waiting on one (a FIFO, a device), every path named
+in ``bundle.json`` must be relative, and what ``bundle.json`` and
+``bundle.npz`` declare is checked against :mod:`tb_nanwatch.evidence.limits`
+before anything is loaded (``model.keras``: the bundle limit). Writes never
 follow a symlink (:func:`tb_nanwatch.evidence.run_dir_box.safe_write_bytes`).
 A problem is one line: a ``ValueError`` (``RunDirError``, ``LimitError``) or a
 ``FileNotFoundError``. Paths are taken literally (no glob). URL-like paths
@@ -26,15 +28,17 @@ from tb_nanwatch.record.writing.files import gfile
 
 BUNDLE_DIR = "repro"
 _STEP_DIR = re.compile(r"step_\d+")
+_REWIND = "rewind"
 
 
 def bundle_box(directory: str) -> tuple[str, str]:
-    """``(run dir, "repro/step_<N>")`` for a bundle dir in its run dir, else
-    ``(directory, "")``: what the bundle's files are checked against."""
+    """``(run dir, "repro/step_<N>")`` for a bundle dir in its run dir (or
+    ``"repro/rewind"``, the rewind point's dir that holds ``model.json``),
+    else ``(directory, "")``: what the bundle's files are checked against."""
     norm = directory.rstrip("/") or directory
     parent, name = posixpath.split(norm)
     run_dir, repro = posixpath.split(parent)
-    if repro == BUNDLE_DIR and _STEP_DIR.fullmatch(name):
+    if repro == BUNDLE_DIR and (_STEP_DIR.fullmatch(name) or name == _REWIND):
         return run_dir or ".", f"{BUNDLE_DIR}/{name}"
     return norm, ""
 
@@ -60,37 +64,48 @@ def find_bundle_dir(path: str) -> str:
         return path
     repro = posixpath.join(path, BUNDLE_DIR)
     try:
-        names = gfile().listdir(repro) if remote else os.listdir(repro)
+        names = gfile().listdir(repro) if remote else run_dir_box.list_inside(path, BUNDLE_DIR)
+    except run_dir_box.RunDirError:
+        raise
     except Exception:  # noqa: BLE001 - missing or unreadable: no bundle
         names = []
     steps = sorted(n.rstrip("/") for n in names if _STEP_DIR.fullmatch(n.rstrip("/")))
     if not steps:
         raise FileNotFoundError(f"no reproduction bundle under {path!r}")
-    if not remote:
-        run_dir_box.inside(path, f"{BUNDLE_DIR}/{steps[0]}", "the bundle dir")
     return posixpath.join(repro, steps[0])
 
 
-def _read_bytes(path: str, max_bytes: int, what: str) -> bytes:
-    if run_dir_box.is_remote(path):
-        fs = gfile()
-        size = fs.stat(path).length
-        reader = fs.GFile(path, "rb")
-    else:
-        reader = open(path, "rb")  # noqa: SIM115 - closed below
-        size = os.fstat(reader.fileno()).st_size
-    with reader:
-        if size > max_bytes:
-            raise limits.LimitError(
-                f"{what} is {size / limits.MB:.0f} MB, more than the "
-                f"{max_bytes / limits.MB:g} MB limit"
-            )
+def read_member(directory: str, name: object, max_bytes: int, what: str) -> bytes:
+    """The bytes of the file ``name`` of a bundle dir, at most ``max_bytes``:
+    locally only inside the run dir (no symlink below it followed, a regular
+    file opened without blocking), see :func:`run_dir_box.read_inside`."""
+    if run_dir_box.is_remote(directory):
+        return _read_remote(member(directory, name, what), max_bytes, what)
+    clean = run_dir_box.relative_path(name, what)
+    root, relative = bundle_box(directory)
+    target = f"{relative}/{clean}" if relative else clean
+    try:
+        return run_dir_box.read_inside(root, target, max_bytes, what)
+    except run_dir_box.RunDirError:
+        raise
+    except ValueError as error:  # over max_bytes
+        raise limits.LimitError(str(error)) from None
+
+
+def _read_remote(path: str, max_bytes: int, what: str) -> bytes:
+    fs = gfile()
+    size = fs.stat(path).length
+    if size > max_bytes:
+        raise limits.LimitError(
+            f"{what} is {size / limits.MB:.0f} MB, more than the {max_bytes / limits.MB:g} MB limit"
+        )
+    with fs.GFile(path, "rb") as reader:
         return reader.read(max_bytes + 1)
 
 
 def read_json(directory: str, name: str = "bundle.json") -> dict:
     """A JSON object file of a bundle dir, within the size and depth limits."""
-    data = _read_bytes(member(directory, name), limits.MAX_JSON_BYTES, name)
+    data = read_member(directory, name, limits.MAX_JSON_BYTES, name)
     value = limits.loads_bounded(data, name)
     if not isinstance(value, dict):
         raise ValueError(f"{name} is not a JSON object")
@@ -136,7 +151,7 @@ def read_arrays(directory: str, required: list[str], optional: list[str]) -> dic
     one) and those of ``optional`` that are there, from ``bundle.npz``, once
     their declared sizes are within ``limits.max_bundle_bytes()``."""
     budget = limits.max_bundle_bytes()
-    data = io.BytesIO(_read_bytes(member(directory, "bundle.npz"), budget, "bundle.npz"))
+    data = io.BytesIO(read_member(directory, "bundle.npz", budget, "bundle.npz"))
     with np.load(data, allow_pickle=False) as arrays:
         present = set(arrays.files)
         missing = [name for name in required if name not in present]

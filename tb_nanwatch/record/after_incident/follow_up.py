@@ -19,19 +19,21 @@ run, in this order (:func:`replay_then_trials`):
 The caller's :class:`Hooks` say what it does after the replay (``named``),
 between the two (``then``) and on a failure of either (``failed(stage,
 error)``, ``stage`` ``"replay"`` or ``"trials"``, which may raise it again;
-without it the error is raised).
+without it the error is raised). The trials' progress goes to the caller's
+``progress`` (default: one updating console line, ``console.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable
 
 from tb_nanwatch.evidence.options import WatchOptions
+from tb_nanwatch.evidence.printable import printable
 from tb_nanwatch.record.after_incident import replay as replays
 from tb_nanwatch.record.after_incident import trials as remedy_trials
 from tb_nanwatch.record.after_incident.bundle import ReproBundle
+from tb_nanwatch.record.after_incident.console import CONSOLE
 from tb_nanwatch.record.after_incident.replay import OpOrigin
 from tb_nanwatch.record.after_incident.trials import Progress, TrialData, TrialList
 
@@ -101,9 +103,12 @@ def replay_then_trials(
         wanted = trials()
         if wanted is None or not wanted.cause or not wanted.cause.get("remedy_ids"):
             return done
-        found = remedy_trials.run_trials(
-            model, wanted.cause, wanted.data(), loss_fn, wanted.options, hooks.progress
-        )
+        try:
+            found = remedy_trials.run_trials(
+                model, wanted.cause, wanted.data(), loss_fn, wanted.options, hooks.progress
+            )
+        finally:
+            CONSOLE.end_progress()  # an updating progress line ends before what follows
         if not found:
             return done  # only advice: nothing to try
         remedy_trials.write_trials(run_dir, wanted.step, wanted.cause, found)
@@ -120,9 +125,19 @@ def _failed(failed: Callable[[str, Exception], None] | None, stage: str, error: 
     failed(stage, error)
 
 
-def print_tried(found: TrialList) -> None:
-    """The ranked "Tried" lines of a watched run, on stderr."""
-    lines = "\n".join(f"  {line}" for line in remedy_trials.tried_lines(found))
-    print(
-        f"\nNanWatch remedies, tried on a re-run of the recorded steps:\n{lines}", file=sys.stderr
+def print_tried(found: TrialList, run_dir: str) -> None:
+    """The trials' outcome in two console lines: how many remedies worked and
+    where every trial is, then the best one in words (the first tried when
+    none worked)."""
+    lines = remedy_trials.tried_lines(found)
+    fixed = sum(1 for trial in found if trial.outcome == "fixed")
+    first = f"  {'best' if fixed else 'first tried'}: {lines[0]}" if lines else "  none tried"
+    CONSOLE.lines(
+        [
+            printable(
+                "NanWatch remedies, tried on a re-run of the recorded steps: "
+                f"{fixed} of {len(lines)} worked (each: tb-nanwatch report {run_dir})"
+            ),
+            printable(first),
+        ]
     )

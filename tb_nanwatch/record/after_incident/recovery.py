@@ -27,7 +27,6 @@ skipping (the compiled step still undoes every non-finite step).
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable
 
@@ -36,6 +35,7 @@ import numpy as np
 from tb_nanwatch.evidence import diagnosis
 from tb_nanwatch.evidence import trials as evidence_trials
 from tb_nanwatch.record.after_incident import follow_up, live_remedies, trials
+from tb_nanwatch.record.after_incident.console import CONSOLE
 from tb_nanwatch.record.after_incident.follow_up import TrialInput
 from tb_nanwatch.record.after_incident.live_remedies import LiveChange, NotLive
 from tb_nanwatch.record.after_incident.rewind_points import ONSET_MARGIN, Snapshot
@@ -132,12 +132,10 @@ class Recovery:
     def _skip(self, undone: list[int]) -> None:
         for step in undone:
             self.skipped.append(step)
-            print(
+            CONSOLE.lines(
                 f"NanWatch: step {step} was not applied (non-finite; weights and optimizer state "
                 f"kept from before it; {len(self.skipped)} skipped, max_skips="
-                f"{self.options.max_skips})",
-                file=sys.stderr,
-                flush=True,
+                f"{self.options.max_skips})"
             )
             if len(self.skipped) > self.options.max_skips:
                 self._stop(
@@ -162,7 +160,7 @@ class Recovery:
 
     def _stop(self, reason: str, step: int) -> None:
         self.stop_reason, self.stop_step = reason, step
-        print(f"NanWatch: {reason}: training stopped", file=sys.stderr, flush=True)
+        CONSOLE.lines(f"NanWatch: {reason}: training stopped")
         self._publish()
 
     # -- rewind -----------------------------------------------------------------------
@@ -213,23 +211,19 @@ class Recovery:
         if onset is not None:
             entry["onset"] = onset
         self.recoveries.append(entry)
-        print(
+        CONSOLE.lines(
             f"NanWatch: rewound to the state before step {snapshot.step} "
             f"(rewind {len(self.recoveries)} of max_rewinds={self.options.max_rewinds}): "
             f"{change.remedy} applied ({change.setting}); the batches of steps "
-            f"{snapshot.step}-{last} are not trained on again; training goes on",
-            file=sys.stderr,
-            flush=True,
+            f"{snapshot.step}-{last} are not trained on again; training goes on"
         )
         self._publish()
 
     def _fall_back(self, step: int, why: str, undone: list[int]) -> None:
         self.fallback = {"step": int(step), "why": why}
-        print(
+        CONSOLE.lines(
             f"NanWatch: no rewind at step {step}: {why}. Falling back to skip: non-finite "
-            f"steps are not applied (max_skips={self.options.max_skips})",
-            file=sys.stderr,
-            flush=True,
+            f"steps are not applied (max_skips={self.options.max_skips})"
         )
         self._skip(undone)
         self._publish()
@@ -276,7 +270,7 @@ class Recovery:
         )
         self.trials = done.trials
         if done.trials:
-            follow_up.print_tried(done.trials)
+            follow_up.print_tried(done.trials, session.log_dir)
 
     def _trial_input(self, step: int) -> TrialInput:
         self._cause = self.session.journal.cause()

@@ -7,7 +7,9 @@ numeric checks (``tf.debugging.enable_check_numerics``). The first op whose
 output holds NaN/Inf stops the replay; its exception carries the op type and,
 in its traceback, the user's frame (the innermost one outside TensorFlow, Keras
 and tb_nanwatch): the source line. Nothing runs during training, so the watch
-costs nothing per step.
+costs nothing per step. What TensorFlow's checks print meanwhile (the failing
+op's tensors and stack, a hundred lines and more) is kept in the bundle dir
+(``replay_tensorflow.txt``, named in ``replay.json``), not printed.
 
 A gradient op TensorFlow defines itself (``SqrtGrad`` for ``tf.sqrt``) has no
 user frame: the eager stack runs from the tape into TF's gradient registry. For
@@ -43,9 +45,10 @@ import numpy as np
 import tensorflow as tf
 
 from tb_nanwatch.evidence import run_dir_box
-from tb_nanwatch.record.after_incident import bundle_files
+from tb_nanwatch.record.after_incident import bundle_files, captured_output
 from tb_nanwatch.record.after_incident.bundle import REPLAY_FILE, ReproBundle, match_arrays
 from tb_nanwatch.record.in_step.taps import layer_paths
+from tb_nanwatch.record.writing.files import gfile
 
 LossFn = Callable[..., Any]
 _CHECK_MARKER = "Detected Infinity or NaN"
@@ -56,6 +59,8 @@ _NOT_EXACT = "the bundle is not exact: its batch or weights are not those of the
 _NO_LOSS = "no loss (a compiled loss or loss_fn): the loss and backward phases were not replayed"
 # Why an op is not named when a custom loop's replay had no loss (the record's op "why").
 NEEDS_LOSS_FN = "the replay needs the loop's loss: pass loss_fn= to StepWatcher"
+# TensorFlow's own output during the replay, kept beside replay.json (not printed).
+TENSORFLOW_OUTPUT = "replay_tensorflow.txt"
 # How far back through the gradient ops the search for the forward op goes.
 _MAX_GRADIENT_OPS = 64
 
@@ -119,10 +124,43 @@ def replay_step(
         The op, or None when there is no op to name (the batch itself is
         non-finite, an update-phase incident) or the replay failed (warned).
     """
+    failed: Exception | None = None
+    with captured_output.captured() as output:  # TensorFlow's check output, not printed
+        try:
+            origin = _replay(model, bundle, loss_fn)
+        except Exception as error:  # noqa: BLE001 - the replay must never break the caller
+            origin, failed = None, error
+    _keep_output(bundle, output)
+    if failed is not None:
+        warnings.warn(f"NanWatch could not replay step {bundle.step}: {failed!r}", stacklevel=2)
+    return origin
+
+
+def _keep_output(bundle: ReproBundle, output: captured_output.Captured) -> None:
+    """TensorFlow's output during the replay, into ``<bundle dir>/replay_tensorflow.txt``
+    (bounded; it replaces an earlier replay's). Never raises: the replay's answer
+    stands without it."""
+    if not bundle.directory:
+        return
+    text = output.text
+    if output.dropped_bytes:
+        text += f"\n[{output.dropped_bytes} more bytes not kept]\n"
     try:
-        return _replay(model, bundle, loss_fn)
-    except Exception as error:  # noqa: BLE001 - the replay must never break the caller
-        warnings.warn(f"NanWatch could not replay step {bundle.step}: {error!r}", stacklevel=2)
+        bundle_files.write_member(bundle.directory, TENSORFLOW_OUTPUT, text.encode("utf-8"))
+    except Exception as error:  # noqa: BLE001 - replay.json's own write says a refused dir
+        logging.getLogger("tb_nanwatch").debug("NanWatch kept no replay output: %r", error)
+
+
+def output_path(directory: str | None) -> str | None:
+    """The path of the replay's TensorFlow output in the bundle dir ``directory``,
+    None when none was kept."""
+    if not directory:
+        return None
+    try:
+        path = bundle_files.member(directory, TENSORFLOW_OUTPUT)
+        exists = gfile().exists if run_dir_box.is_remote(path) else os.path.isfile
+        return path if exists(path) else None
+    except Exception:  # noqa: BLE001 - no path to name
         return None
 
 
@@ -133,6 +171,8 @@ def write_result(bundle: ReproBundle, origin: OpOrigin | None) -> str | None:
     if not bundle.directory:
         raise ValueError("bundle has no directory: load it with tb_nanwatch.load_bundle")
     body = {"step": bundle.step, "op": None if origin is None else origin.to_json()}
+    if output_path(bundle.directory) is not None:
+        body["tensorflow_output"] = TENSORFLOW_OUTPUT  # the check output, kept, not printed
     text = json.dumps(body, indent=1)
     try:
         return bundle_files.write_member(bundle.directory, REPLAY_FILE, text.encode("utf-8"))

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from tb_nanwatch.evidence import limits
+from tb_nanwatch.evidence import limits, run_dir_box
 from tb_nanwatch.evidence.run_dir_box import is_remote
 from tb_nanwatch.record.after_incident.bundle import jsonable_structure
 from tb_nanwatch.record.writing.files import gfile
@@ -63,9 +63,8 @@ META_FILE = "rewind.json"
 FORMAT_VERSION = 1
 # Steps between an explosion's onset and the newest snapshot that may serve it.
 ONSET_MARGIN = 2
-# load_rewind_point's bounds: the metadata file, and all arrays by default.
+# load_rewind_point's bound on the metadata file (its arrays: the bundles' limit).
 MAX_META_BYTES = 16 << 20
-DEFAULT_MAX_LOAD_BYTES = 4 << 30
 # Per array: the .npy header and the zip entry around it.
 _ARRAY_OVERHEAD = 4096
 
@@ -166,18 +165,21 @@ def save_rewind_point(run_dir: str, point: RewindPoint) -> str:
     return REWIND_DIR
 
 
-def load_rewind_point(path: str, max_bytes: int = DEFAULT_MAX_LOAD_BYTES) -> RewindPoint:
+def load_rewind_point(path: str, max_bytes: int | None = None) -> RewindPoint:
     """The rewind point at ``path``: a run dir, its ``repro/rewind`` dir or
-    the ``rewind.json`` file. Checks the declared sizes (at most
-    ``max_bytes`` of arrays) before loading anything; no pickles."""
-    directory = _find_directory(path)
-    meta = json.loads(_read_bounded(posixpath.join(directory, META_FILE), MAX_META_BYTES))
+    the ``rewind.json`` file. Read only inside the run dir (no symlink below
+    it followed, regular files only, never waiting on a FIFO); the declared
+    sizes (at most ``max_bytes`` of arrays, by default the bundles' limit
+    ``limits.max_bundle_bytes()``, and ``limits.MAX_REWIND_ARRAYS`` arrays)
+    are checked before anything is loaded; no pickles."""
+    max_bytes = limits.max_bundle_bytes() if max_bytes is None else max_bytes
+    read = _reader(path)
+    meta = limits.loads_bounded(read(META_FILE, MAX_META_BYTES), META_FILE, MAX_META_BYTES)
     declared = _declared_arrays(meta, max_bytes)
     limit = sum(nbytes for _, _, nbytes in declared.values())
     limit += _ARRAY_OVERHEAD * (len(declared) + 1)
-    raw = _read_bounded(posixpath.join(directory, ARRAYS_FILE), limit)
-    arrays = _checked_arrays(raw, declared)
-    steps, width = int(meta["steps"]), int(meta["batch_size"])
+    arrays = _checked_arrays(read(ARRAYS_FILE, limit), declared)
+    steps, width = meta["steps"], meta["batch_size"]
     weights = {name: arrays[f"w/{i}"] for i, name in enumerate(meta["weights"])}
     optimizer = {name: arrays[f"o/{i}"] for i, name in enumerate(meta["optimizer"])}
     batches = [[arrays[f"b/{i}/{j}"] for j in range(width)] for i in range(steps)]
@@ -187,8 +189,8 @@ def load_rewind_point(path: str, max_bytes: int = DEFAULT_MAX_LOAD_BYTES) -> Rew
         optimizer=optimizer,
         batches=batches,
         structure=meta.get("structure"),
-        learning_rates=list(meta.get("learning_rates") or [None] * steps),
-        info=dict(meta.get("info") or {}),
+        learning_rates=_read_rates(meta.get("learning_rates"), steps),
+        info=dict(info) if isinstance(info := meta.get("info"), dict) else {},
         losses=_read_losses(meta.get("losses"), steps),
     )
 
@@ -227,37 +229,67 @@ def _read_losses(values: object, steps: int) -> list[float | None]:
     return out
 
 
-def _declared_arrays(meta: dict, max_bytes: int) -> dict[str, tuple[np.dtype, tuple, int]]:
+def _read_rates(values: object, steps: int) -> list[float | None]:
+    """The learning rates of rewind.json: a number or None per step."""
+    if not isinstance(values, list) or len(values) != steps:
+        return [None] * steps
+    number = (int, float)
+    return [float(v) if isinstance(v, number) and not isinstance(v, bool) else None for v in values]
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _declared_arrays(meta: object, max_bytes: int) -> dict[str, tuple[np.dtype, tuple, int]]:
     """Each array's (dtype, shape, bytes) as ``rewind.json`` declares them;
-    a ValueError for a malformed or oversized declaration."""
+    a ValueError for a malformed or oversized declaration. The counts are
+    bounded (``limits.MAX_REWIND_ARRAYS``) before any array name is made."""
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         raise ValueError("not a rewind point of a known format")
     steps, width = meta.get("steps"), meta.get("batch_size")
     names = (meta.get("weights"), meta.get("optimizer"))
-    if not all(isinstance(n, int) and n >= 0 for n in (steps, width)) or not all(
+    if not (_count(steps) and _count(width) and _count(meta.get("step"))) or not all(
         isinstance(n, list) and all(isinstance(p, str) for p in n) for n in names
     ):
-        raise ValueError("rewind.json: malformed steps, batch_size, weights or optimizer")
+        raise ValueError("rewind.json: malformed step, steps, batch_size, weights or optimizer")
+    arrays = meta.get("arrays")
+    count = steps * width + len(names[0]) + len(names[1])
+    if count > limits.MAX_REWIND_ARRAYS:
+        raise limits.LimitError(
+            f"rewind.json declares {count} arrays, more than the limit of "
+            f"{limits.MAX_REWIND_ARRAYS}"
+        )
+    if not isinstance(arrays, dict) or len(arrays) != count:
+        raise ValueError("rewind.json: the declared arrays do not match its steps and names")
     expected = {f"w/{i}" for i in range(len(names[0]))} | {f"o/{i}" for i in range(len(names[1]))}
     expected |= {f"b/{i}/{j}" for i in range(steps) for j in range(width)}
-    arrays = meta.get("arrays")
-    if not isinstance(arrays, dict) or set(arrays) != expected:
+    if set(arrays) != expected:
         raise ValueError("rewind.json: the declared arrays do not match its steps and names")
     out: dict[str, tuple[np.dtype, tuple, int]] = {}
     total = 0
     for key, declaration in arrays.items():
-        try:
-            dtype, shape = np.dtype(declaration[0]), tuple(declaration[1])
-        except (TypeError, ValueError, IndexError, KeyError):
-            raise ValueError(f"rewind.json: array {key} has a malformed declaration") from None
-        if dtype.hasobject or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise ValueError(f"rewind.json: array {key} has a bad dtype or shape")
-        nbytes = math.prod(shape) * dtype.itemsize
+        dtype, shape = _declaration(key, declaration)
+        nbytes = limits.declared_bytes(shape, dtype.itemsize)
         total += nbytes
-        out[key] = (dtype, tuple(shape), nbytes)
-    if total > max_bytes:
-        raise ValueError(f"the rewind point declares {total} bytes of arrays, above {max_bytes}")
+        if total > max_bytes:
+            raise limits.LimitError(
+                f"the rewind point declares more than {max_bytes / limits.MB:g} MB of arrays "
+                f"(the limit; set {limits.BUNDLE_LIMIT_VARIABLE} for a trusted run dir)"
+            )
+        out[key] = (dtype, shape, nbytes)
     return out
+
+
+def _declaration(key: str, declaration: object) -> tuple[np.dtype, tuple]:
+    """The (dtype, shape) of one declared array; a ValueError if malformed."""
+    try:
+        dtype, shape = np.dtype(declaration[0]), tuple(declaration[1])
+    except (TypeError, ValueError, IndexError, KeyError):
+        raise ValueError(f"rewind.json: array {key} has a malformed declaration") from None
+    if dtype.hasobject or not all(_count(d) for d in shape) or len(shape) > 32:
+        raise ValueError(f"rewind.json: array {key} has a bad dtype or shape")
+    return dtype, shape
 
 
 def _checked_arrays(raw: bytes, declared: dict) -> dict[str, np.ndarray]:
@@ -285,30 +317,50 @@ def _npy_header(archive, entry) -> tuple[np.dtype, tuple] | None:
     return dtype, shape
 
 
-def _find_directory(path: str) -> str:
+def _reader(path: str) -> Callable[[str, int], bytes]:
+    """A function reading one file of the rewind point at ``path`` (see
+    :func:`load_rewind_point`) within a byte bound: locally, only inside the
+    run dir, through :func:`run_dir_box.read_inside`."""
     path = os.fspath(path)
+    if is_remote(path):
+        directory = _remote_directory(path)
+        return lambda name, limit: _read_remote(posixpath.join(directory, name), limit)
+    directory = os.path.dirname(path) if path.endswith(META_FILE) else path
+    norm = os.path.normpath(directory)
+    parent, name = os.path.split(norm)
+    if name == "rewind" and os.path.basename(parent) == "repro":
+        root, prefix = os.path.dirname(parent), REWIND_DIR
+    elif os.path.lexists(os.path.join(norm, META_FILE)):
+        root, prefix = norm, ""
+    else:
+        root, prefix = norm, REWIND_DIR
+    if not os.path.lexists(os.path.join(root, *prefix.split("/"), META_FILE)):
+        raise FileNotFoundError(f"no rewind point under {path!r}")
+    root = root or "."
+
+    def read(name: str, limit: int) -> bytes:
+        relative = f"{prefix}/{name}" if prefix else name
+        return run_dir_box.read_inside(root, relative, limit, f"the rewind point's {name}")
+
+    return read
+
+
+def _remote_directory(path: str) -> str:
     if path.endswith(META_FILE):
-        return posixpath.dirname(path) if is_remote(path) else os.path.dirname(path)
-    join = posixpath.join if is_remote(path) else os.path.join
-    exists = gfile().exists if is_remote(path) else os.path.exists
-    for candidate in (path, join(path, *REWIND_DIR.split("/"))):
-        if exists(join(candidate, META_FILE)):
+        return posixpath.dirname(path)
+    fs = gfile()
+    for candidate in (path, posixpath.join(path, REWIND_DIR)):
+        if fs.exists(posixpath.join(candidate, META_FILE)):
             return candidate
     raise FileNotFoundError(f"no rewind point under {path!r}")
 
 
-def _read_bounded(path: str, limit: int) -> bytes:
+def _read_remote(path: str, limit: int) -> bytes:
     """The file's bytes; a ValueError when it is larger than ``limit``."""
-    if is_remote(path):
-        fs = gfile()
-        if fs.stat(path).length > limit:
-            raise ValueError(f"{path} is larger than expected ({limit} bytes at most)")
-        with fs.GFile(path, "rb") as f:
-            return f.read()
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "rb") as f:
-        if os.fstat(f.fileno()).st_size > limit:
-            raise ValueError(f"{path} is larger than expected ({limit} bytes at most)")
+    fs = gfile()
+    if fs.stat(path).length > limit:
+        raise ValueError(f"{path} is larger than expected ({limit} bytes at most)")
+    with fs.GFile(path, "rb") as f:
         return f.read(limit + 1)
 
 
@@ -438,6 +490,10 @@ def _remove(path: str | None) -> None:
             pass
 
 
+# Steps before a foreseen trouble at which its snapshot is taken (see expect_trouble).
+EXPECT_BEFORE = 2
+
+
 class RewindRing:
     """The host side of the rewind points of one run (see the module docstring).
 
@@ -475,6 +531,7 @@ class RewindRing:
         self._loss_index: int | None = None
         self._lr_index: int | None = None
         self._initial_done = False
+        self._foreseen: int | None = None  # the step before a foreseen trouble
 
     # -- snapshots ---------------------------------------------------------------
 
@@ -490,6 +547,12 @@ class RewindRing:
         snapshot whose file is complete joins the kept ones)."""
         self.settle()
         return self.not_taken_why is None and steps_done >= self.next_step
+
+    def expect_trouble(self, step: int) -> None:
+        """An early warning foresees trouble at ``step``: the next snapshot is
+        due just before it (``EXPECT_BEFORE`` steps), so a rewind is short."""
+        self._foreseen = max(int(step) - EXPECT_BEFORE, 0)
+        self.next_step = min(self.next_step, self._foreseen)
 
     def take(self, steps_done: int, model, optimizer, device) -> None:
         """Snapshots the state before step ``steps_done`` (never raises: a
@@ -520,6 +583,8 @@ class RewindRing:
         else:
             self._write_in_background(Snapshot(steps_done, _read(weights), _read(slots), built))
         self.next_step = steps_done + self.every
+        if self._foreseen is not None and steps_done < self._foreseen < self.next_step:
+            self.next_step = self._foreseen
 
     def _over_budget(self, state: int, ring: int) -> str | None:
         """Why a snapshot of ``state`` bytes (with a batch ring of ``ring``

@@ -49,6 +49,8 @@ class Recorded:
     rate_before: float | None
     warmup_steps: int
     layer: str | None = None  # the layer that overflowed (the verdict's, else the incident's)
+    # The activation raw outputs lack for the run's loss (remedies.expected_activation).
+    output_activation: str = "softmax"
 
 
 def change_of(remedy: str) -> changes.Change | None:
@@ -153,12 +155,8 @@ def _clip_predictions(change: changes.ClipPredictions, recorded: Recorded) -> li
 
 
 def _output_activation(change: changes.OutputActivation, recorded: Recorded) -> list[Variant]:
-    return [
-        Variant(
-            f"{change.activation} on the outputs before the loss",
-            output_activation=change.activation,
-        )
-    ]
+    activation = change.activation or recorded.output_activation
+    return [Variant(f"{activation} on the outputs before the loss", output_activation=activation)]
 
 
 def _transformed(change: changes.DataTransform, recorded: Recorded) -> list[Variant]:

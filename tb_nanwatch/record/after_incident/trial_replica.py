@@ -84,6 +84,10 @@ class Variant:
     # Layers (recorded paths, or names) the copy runs in float32, the rest in
     # the model's own policy.
     float32_layers: tuple[str, ...] = ()
+    # Each trainable weight at the start times (1 +- start_noise), a fixed
+    # pattern of signs: a rounding-level nudge that measures how far rounding
+    # alone carries the re-run (the fidelity check's probe). 0: none.
+    start_noise: float = 0.0
 
     @property
     def needs_copy(self) -> bool:
@@ -166,6 +170,8 @@ class Replica:
             else:
                 fresh_state(optimizer, model)
             self._set_settings(variant)
+        if variant.start_noise:
+            nudge(self.model.trainable_variables, variant.start_noise)
         self.loss = trial_loss(model, self.model, loss_fn, variant)
         inner = inner_optimizer(self.optimizer)
         self.initial_rate = float(np.asarray(inner.learning_rate))
@@ -174,6 +180,7 @@ class Replica:
         self._jit = getattr(model, "jit_compile", False) is True and not self.copied
         self._step = tf.function(self._train_step, reduce_retracing=True, jit_compile=self._jit)
         self._ran = False
+        self._xla_failed = ""  # why XLA could not compile the trial's step
 
     def _set_settings(self, variant: Variant) -> None:
         """The variant's optimizer settings on the user's optimizer (undone by close)."""
@@ -203,6 +210,21 @@ class Replica:
             self._undo.pop()()
 
     @property
+    def ran(self) -> bool:
+        """Whether a step of this trial ran."""
+        return self._ran
+
+    @property
+    def compiled(self) -> str:
+        """How the trial's step ran: ``"xla"``, ``"graph"``, or ``"graph (...)"``
+        saying why XLA, the user's compilation, was not used."""
+        if self._jit:
+            return "xla"
+        if self._xla_failed:
+            return f"graph (XLA could not compile the trial's step: {self._xla_failed})"
+        return "graph"
+
+    @property
     def rate(self) -> float:
         """The optimizer's learning rate at the start (a schedule's value at its iteration)."""
         return self.initial_rate
@@ -216,11 +238,11 @@ class Replica:
         x, y, sample_weight = (list(batch) + [None, None])[:3]
         try:
             loss, norm, logits, finite = self._step(x, y, sample_weight)
-        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
             if not self._jit or self._ran:
                 raise
             # XLA cannot compile this step (it fails before it runs): without XLA.
-            self._jit = False
+            self._jit, self._xla_failed = False, short(error)
             self._step = tf.function(self._train_step, reduce_retracing=True)
             loss, norm, logits, finite = self._step(x, y, sample_weight)
         self._ran = True
@@ -239,11 +261,29 @@ class Replica:
         scale = getattr(self.optimizer, "dynamic_scale", None)
         if scale is not None:
             norm = norm / tf.cast(scale, tf.float32)
-        outputs = [tf.cast(t, tf.float32) for t in tf.nest.flatten(y_pred) if t.dtype.is_floating]
+        # The logits a sigmoid/softmax output was computed from, as the recorder
+        # reads them: the probabilities never pass an explosion line.
+        outputs = [
+            tf.cast(getattr(t, "_keras_logits", t), tf.float32)
+            for t in tf.nest.flatten(y_pred)
+            if t.dtype.is_floating
+        ]
         logits = tf.reduce_max([tf.reduce_max(tf.abs(t)) for t in outputs])
         weights = [v for v in self.model.weights if keras.backend.is_float_dtype(v.dtype)]
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in weights])
         return loss, norm, logits, tf.logical_and(finite, tf.math.is_finite(loss))
+
+
+def nudge(variables: list, relative: float) -> None:
+    """Each float variable times (1 +- ``relative``), the signs a fixed
+    pseudo-random pattern (the same at every call)."""
+    signs = np.random.RandomState(0)
+    for variable in variables:
+        if not keras.backend.is_float_dtype(variable.dtype):
+            continue
+        value = np.asarray(variable.numpy())
+        pattern = signs.choice([-1.0, 1.0], size=value.shape).astype(value.dtype)
+        variable.assign(value * (1 + relative * pattern))
 
 
 def inner_optimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
@@ -553,6 +593,21 @@ def trial_loss(
         )
 
     return compiled
+
+
+def output_units(model: keras.Model) -> list[int | None]:
+    """The last dimension of each model output (None: not known); [] when the
+    model has no symbolic outputs (a subclassed model)."""
+    try:
+        outputs = tf.nest.flatten(getattr(model, "outputs", None) or [])
+    except (AttributeError, ValueError):  # a subclassed model that was never called
+        return []
+    units = []
+    for tensor in outputs:
+        shape = getattr(tensor, "shape", None)
+        last = shape[-1] if shape is not None and len(shape) else None
+        units.append(int(last) if last is not None else None)
+    return units
 
 
 def _outputs_seen(variant: Variant) -> Callable[[Any], Any]:

@@ -100,8 +100,21 @@ def recorded_train_step(recorder: StepRecorder, data):
             grads = all_grads[: len(weights)]
         else:
             all_grads, grads = [], []
+    # Under a strategy Keras divides each replica's loss by the replicas in
+    # sync (for the gradients' sum); the record holds the loss Keras reports.
+    reported = loss_module.unscale_loss_for_distribution(loss)
     inputs = StepInputs(
-        trace, x, y, y_pred, loss, weights, all_grads, model.optimizer, data, model, bool(created)
+        trace,
+        x,
+        y,
+        y_pred,
+        reported,
+        weights,
+        all_grads,
+        model.optimizer,
+        data,
+        model,
+        bool(created),
     )
     pending = recorder.guarded(recorder.before_update, inputs)
     if pending is not None:

@@ -23,6 +23,7 @@ from tb_nanwatch.evidence import causes, diagnosis, metadata, recorded
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.printable import printable
 from tb_nanwatch.evidence.schema import Schema
+from tb_nanwatch.evidence.warning_watch import EarlyWarnings
 from tb_nanwatch.record.writing import crash_safety
 from tb_nanwatch.record.writing.event_writer import RunWriter
 
@@ -99,6 +100,7 @@ class RunJournal:
         self.snapshot_every = self.options.snapshot_every
         self.flush_secs = self.options.flush_secs
         self.diagnosis = diagnosis.RunDiagnosis(schema, self.options)
+        self.early_warnings = EarlyWarnings(schema, self.run_info, self.options)
         self.writer = writer or RunWriter(log_dir)
         # Saves the reproduction bundle; called before the incident is written,
         # so a kill after the incident reached the disk always finds the bundle.
@@ -239,6 +241,9 @@ class RunJournal:
             self.latest_explosion = verdict.explosion
             self._write_onset_snapshots(int(verdict.explosion["step"]))
             self.flush()
+        if self.early_warnings.observe(step, vector):
+            self.update_run_info(warnings=list(self.early_warnings.warnings))
+            self.flush()  # on disk before the trouble it foresees
         if len(self._chunk_rows) >= metadata.CHUNK_STEPS:
             self._write_chunk()
             self._chunk_rows = []
@@ -254,6 +259,7 @@ class RunJournal:
         the steps from the next on are judged afresh (see
         :meth:`~tb_nanwatch.evidence.diagnosis.RunDiagnosis.rewound`)."""
         self.diagnosis.rewound()
+        self.early_warnings.rewound()
 
     def _checked(self, step: int, vector: np.ndarray) -> np.ndarray:
         """``vector`` as float32, or a ValueError for a wrong shape or step."""
@@ -449,6 +455,8 @@ class RunJournal:
         explosion = self.diagnosis.finish()  # a climb cut short by the end of the run
         if explosion is not None and self.explosion_onset is None:
             self.explosion_onset = explosion
+        if self.early_warnings.warnings:
+            self.update_run_info(warnings=self.early_warnings.finished(self.summary()))
         self.flush()
         self.writer.close()
         self._wake.put(None)  # the worker, if any, ends

@@ -11,8 +11,11 @@ The rule (docs/reference/on-disk-format.md):
   ``.nanwatch-writer`` (``O_EXCL``, holding ``pid@host``); a second process
   given the same ``log_dir``, even at the same moment, finds it taken and
   writes to ``run_<N>`` as above. A lock left by a dead process of this host
-  over a dir with no record is taken over. (A remote ``log_dir``, ``gs://``,
-  has no exclusive create: there only the record and this process count.)
+  over a dir with no record is taken over (a lock that is not a regular
+  file, a FIFO, is never waited on: the dir is taken). A ``run_<N>`` that is
+  there as anything but a directory (a file, a symlink) is skipped as taken,
+  never followed. (A remote ``log_dir``, ``gs://``, has no exclusive create:
+  there only the record and this process count.)
   The path is taken literally: ``sweep/lr[0.1]`` is a name, never a pattern;
 * each later ``fit`` of the same ``NanWatch`` (freeze, then fine-tune) is a
   new *stage* of its run, written to ``<run dir>/stage_<N>`` (N = 2, 3, ...);
@@ -28,8 +31,10 @@ import logging
 import os
 import posixpath
 import socket
+import stat
 import threading
 
+from tb_nanwatch.evidence import run_dir_box
 from tb_nanwatch.record.writing.event_writer import EVENT_FILE_SUFFIX
 from tb_nanwatch.record.writing.files import gfile
 
@@ -54,11 +59,12 @@ def _owner() -> str:
     return f"{os.getpid()}@{socket.gethostname()}"
 
 
-def _stale(lock_path: str) -> bool:
-    """A lock of a process of this host that has ended."""
+def _stale(run_dir: str) -> bool:
+    """A lock of a process of this host that has ended (a lock that is not a
+    regular file, a FIFO say, is never opened for waiting: it is taken)."""
     try:
-        with open(lock_path, encoding="utf-8") as infile:
-            pid, _, host = infile.read(200).strip().partition("@")
+        text = run_dir_box.read_inside(run_dir, LOCK_FILE, 200, "the writer's lock")
+        pid, _, host = text.decode("utf-8", "replace").strip().partition("@")
         if host != socket.gethostname() or not pid.isdigit():
             return False
         os.kill(int(pid), 0)
@@ -80,7 +86,7 @@ def take_lock(run_dir: str) -> bool:
     try:
         fd = os.open(path, flags, 0o644)
     except FileExistsError:
-        if not (_stale(path) and not holds_record(run_dir)):
+        if not (_stale(run_dir) and not holds_record(run_dir)):
             return False
         os.unlink(path)  # a dead writer's claim over an empty dir
         return take_lock(run_dir)
@@ -93,15 +99,31 @@ def take_lock(run_dir: str) -> bool:
     return True
 
 
-def _free(candidate: str) -> bool:
+def _free(candidate: str, log_dir: str) -> bool:
+    if candidate != log_dir and _planted(candidate):
+        return False
     return candidate not in _claimed and not holds_record(candidate) and take_lock(candidate)
+
+
+def _planted(candidate: str) -> bool:
+    """Whether a ``run_<N>`` is there as something other than a directory of
+    its own (a file, a FIFO, a symlink): taken, never followed."""
+    if "://" in candidate:
+        return False
+    try:
+        mode = os.lstat(candidate).st_mode
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return not stat.S_ISDIR(mode)
 
 
 def claim_run_dir(log_dir: str) -> str:
     """``log_dir``, or the first free ``<log_dir>/run_<N>`` when it is taken."""
     with _lock:
         candidate, number = log_dir, 1
-        while not _free(candidate):
+        while not _free(candidate, log_dir):
             number += 1
             candidate = posixpath.join(log_dir, f"run_{number}")
         _claimed.add(candidate)
