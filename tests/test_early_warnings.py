@@ -15,6 +15,7 @@ import math
 import keras
 import numpy as np
 import pytest
+import scenarios
 
 from tb_nanwatch import NanWatch
 from tb_nanwatch.board import report
@@ -45,13 +46,27 @@ def test_a_typo_in_a_piecewise_schedule_is_a_jump_at_its_step():
         [1e-7] + [1e-3 * i / 10 for i in range(1, 11)] + [1e-3] * 10,  # warm-up from near 0
         [0.1 * 0.9**i for i in range(100)],  # exponential decay
         [0.05 * (1 + math.cos(math.pi * (i % 20) / 20)) / 2 for i in range(100)],  # restarts
+        [0.05] + [0.05 * (1 + math.cos(math.pi * i / 20)) / 2 for i in range(1, 20)] + [0.0500001],
         [0.1] * 30 + [0.01] * 30 + [0.001] * 30,  # step decay
         [0.1] * 50,
     ],
-    ids=["warmup_from_0", "warmup_near_0", "decay", "warm_restarts", "step_decay", "constant"],
+    ids=[
+        "warmup_from_0",
+        "warmup_near_0",
+        "decay",
+        "warm_restarts",
+        "restart_rounded_up",
+        "step_decay",
+        "constant",
+    ],
 )
 def test_ramps_decays_and_restarts_are_no_jump(rates):
     assert rules.schedule_jump(rates) is None
+
+
+def test_a_one_step_spike_is_a_jump():
+    rates = [1e-3] * 61 + [10.0] + [1e-3] * 38
+    assert rules.schedule_jump(rates)["predicted_step"] == 61
 
 
 def test_a_jump_must_pass_the_largest_rate_before_it():
@@ -333,6 +348,41 @@ def test_outputs_that_grow_then_plateau_raise_nothing(tmp_path, seeded):
     assert run["warnings"] == [] and run["first_nonfinite"] is None
 
 
+class _Gain(keras.layers.Layer):
+    """Multiplies by a gain the _Grow callback sets (not trained)."""
+
+    def build(self, shape):
+        self.gain = self.add_weight(shape=(), initializer="ones", trainable=False, name="gain")
+
+    def call(self, t):
+        return t * keras.ops.cast(self.gain, t.dtype)
+
+
+class _Grow(keras.callbacks.Callback):
+    """The gain grows by ``factor`` a step up to ``cap``."""
+
+    def __init__(self, layer, factor, cap):
+        super().__init__()
+        self.layer, self.factor, self.cap = layer, factor, cap
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.layer.gain.assign(min(float(self.layer.gain.numpy()) * self.factor, self.cap))
+
+
+def test_float16_activations_that_grow_then_plateau_raise_nothing(
+    tmp_path, seeded, mixed_precision
+):
+    x, y = _data()
+    gain = _Gain()
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), gain, keras.layers.Dense(1, dtype="float32")]
+    )
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+    _fit(model, x, y, tmp_path, callbacks=[_Grow(gain, 1.15, 300.0)])  # 1.15x a step to 300x
+    run = _on_disk(tmp_path)
+    assert run["warnings"] == [] and run["first_nonfinite"] is None
+
+
 def test_a_collapsing_loss_scale_warns_before_the_run_stalls(tmp_path, seeded, mixed_precision):
     x, y = _data()
     x[20 * BATCH :: BATCH] = 0.0  # from step 20, an all-zero row a batch: sqrt'(0) is NaN
@@ -422,3 +472,37 @@ def test_the_watch_never_raises_on_what_it_cannot_read():
     assert broken.observe(0, np.ones(3, np.float32)) is False  # a vector of the wrong size
     assert broken.observe(1, np.ones(schema.size, np.float32)) is False
     assert broken.finished({"steps": "many"}) == []
+
+
+@pytest.mark.parametrize("build", [scenarios.healthy, scenarios.healthy_small])
+def test_the_suites_healthy_runs_raise_nothing(build, tmp_path):
+    _, watch, _, _ = scenarios.fit(build, tmp_path, epochs=2)
+    assert watch.journal.summary()["warnings"] == []
+
+
+def test_a_custom_loops_run_without_a_precursor_raises_nothing(tmp_path):
+    # A division by an exact zero at step 29, with nothing growing before it.
+    watcher, _ = scenarios.train_custom_loop(
+        lambda: scenarios.ratio_multi_io(zero_step=29, steps=30), tmp_path
+    )
+    assert watcher.journal.steps >= 29
+    assert watcher.journal.summary().get("warnings", []) == []
+
+
+def test_a_hostile_warning_in_a_run_dir_prints_inert(tmp_path, capsys):
+    from nanwatch_testlib import base_vector
+
+    from tb_nanwatch import cli
+    from tb_nanwatch.record.writing.journal import RunJournal
+
+    schema = build_schema(2)
+    hostile = rules.warning(0, "data_scale", None, "\x1b]52;c;bad\x07\x1b[2J", {"\x1b": 1})
+    journal = RunJournal(str(tmp_path), schema, {"warnings": [hostile, {"kind": "x"}]})
+    for step in range(3):
+        journal.record(step, 0, step, base_vector(schema, step))
+    journal.close()
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\\x1b]52;c;bad\\x07" in out
+    (found,) = _on_disk(tmp_path)["warnings"]
+    assert found["evidence"] == {"\\x1b": 1} and found["outlived"] is True

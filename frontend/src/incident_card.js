@@ -14,6 +14,7 @@ import { counted, fmt } from "./format.js";
 import { renderBundle } from "./repro_bundle.js";
 import { nearestSteps } from "./step_table.js";
 import { kindLabel, phaseLabel } from "./vocabulary.js";
+import { renderWarnings } from "./warnings.js";
 
 /** Appends the non-null nodes. */
 function append(container, ...nodes) {
@@ -239,9 +240,10 @@ export function renderIncidentCard(container, data, opts = {}) {
   }
   const headline = el("header", { class: "card-headline", data: { field: "headline" } }, [title, cause ? renderCauseLine(cause) : null]);
   const rest = [...details, bundle ? renderBundle(bundle) : null, renderHints(data.hints)];
+  const warned = renderWarnings(data.warnings); // the early warnings, after what to do
   if (cause) {
-    append(container, headline, renderLeadRemedy(cause), renderOtherRemedies(cause), renderMore([renderEvidence(cause), ...rest]));
+    append(container, headline, renderLeadRemedy(cause), renderOtherRemedies(cause), warned, renderMore([renderEvidence(cause), ...rest]));
   } else {
-    append(container, headline, ...rest);
+    append(container, headline, warned, ...rest);
   }
 }

@@ -26,6 +26,7 @@
 import uPlot from "uplot";
 import { fmt, nonFiniteKind } from "./format.js";
 import { cssColor } from "./theme.js";
+import { warningMarks } from "./warnings.js";
 
 export const HEIGHT = 280;
 /** Least distance between two y tick labels, in CSS pixels. */
@@ -401,6 +402,7 @@ export function createPlot(chartBox, opts) {
     if (jump && typeof jump.from === "number" && typeof jump.to === "number") {
       line("lr", jump.step, cssColor("--muted"), [2, 3], `learning rate ${fmt(jump.from)} → ${fmt(jump.to)}: step ${jump.step}`);
     }
+    for (const mark of warningMarks(tl)) line("warning", mark.step, cssColor("--note"), [1, 3], mark.text);
     const selectedStep = opts.getSelectedStep();
     if (selectedStep !== null) vline(plot, selectedStep, cssColor("--accent"), [2, 3]);
     const marks = drawMarks(plot, tl);

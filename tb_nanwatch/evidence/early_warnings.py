@@ -7,9 +7,11 @@ a warning (:func:`warning`) or None. The kinds and their rules:
 ``schedule_jump``
     At train begin the learning-rate schedule is read over the planned steps.
     Step ``i`` is a jump when its rate is more than ``JUMP_FACTOR`` (10) times
-    the rate of step ``i - 1``, above the largest rate of every step before it,
+    the rate of step ``i - 1``, above the largest rate of every step before it
+    (by more than ``ABOVE_SLACK``, 1%: a restart's rounding is not above),
     and a discontinuity: its rise is more than ``JUMP_FACTOR`` times the rise
-    of the steps on either side. A warm-up ramp (even one from 0), decays and
+    of the steps on either side (a fall counts as no rise, so a one-step
+    spike is a jump). A warm-up ramp (even one from 0), decays and
     warm restarts back to the initial rate are not jumps.
 ``probabilities_expected``
     The loss reads probabilities (``from_logits=False``, or a loss that reads
@@ -33,15 +35,16 @@ a warning (:func:`warning`) or None. The kinds and their rules:
     limit on the log scale (``|x| >= sqrt(limit)``: the early growth of a
     signal far below its limit is no evidence). Extrapolated, it passes its
     limit within ``HORIZON`` (50) steps, and no further than the window
-    itself grew (the factor still to go is at most the window's growth:
-    the forecast reaches about ``WINDOW`` steps ahead at most): float16's 65504 (float32's 3.4e38)
-    for an activation or a regression's output, ``log`` of that for a
-    classifier's logit (a final softmax or sigmoid, or a loss that reads
-    logits or probabilities or is named for them: ``exp`` overflows past
-    it, 11.09 and 88.72), float32's for
-    the loss and the gradient norm. The predicted step is the first
-    extrapolated past the limit; a signal already past its limit is no
-    forecast.
+    itself grew (the factor still to go is at most the window's growth, so
+    a forecast reaches about ``WINDOW`` steps ahead). The limits: float16's
+    65504 (float32's 3.4e38) for an activation or an output; ``log`` of that
+    for the logits of a hand-written softmax or log (the loss is none of
+    Keras', whose softmax is stable, and the output has a final softmax or
+    sigmoid or the loss is named for one, a log or an exp: ``exp``
+    overflows, or a probability underflows to exactly 0, past 11.09 and
+    88.72); float32's for the loss and the gradient norm. The predicted step
+    is the first extrapolated past the limit; a signal already past its
+    limit is no forecast.
 ``loss_scale_collapse``
     Under mixed precision the dynamic loss scale halved on ``HALVINGS`` (8)
     consecutive steps. The halvings from the initial scale at the start of a
@@ -69,6 +72,7 @@ KINDS = (
 )
 
 JUMP_FACTOR = 10.0
+ABOVE_SLACK = 0.01
 DATA_SCALE = 1e3
 WINDOW = 16
 MIN_R2 = 0.9
@@ -100,7 +104,24 @@ SCALING_LAYERS = frozenset(
     }
 )
 PROBABILITY_LOSSES = ("crossentropy", "kldivergence", "kld")
-CLASSIFIER_WORDS = ("softmax", "sigmoid", "logit")
+# Words of Keras' own loss names (their softmax and log are stable), and of
+# the names of hand-written losses that take an exp or a log of the outputs.
+KERAS_LOSS_WORDS = (
+    "crossentropy",
+    "kldivergence",
+    "kld",
+    "hinge",
+    "poisson",
+    "cosine",
+    "squared",
+    "absolute",
+    "huber",
+    "logcosh",
+    "ctc",
+    "dice",
+    "tversky",
+)
+EXP_WORDS = ("softmax", "sigmoid", "logit", "log", "exp", "entropy", "likelihood", "nll")
 REGRESSION_LOSSES = ("squared", "absolute", "huber", "logcosh", "mse", "mae", "mape", "msle")
 
 
@@ -127,16 +148,15 @@ def reads_probabilities(loss_name: str | None, from_logits: bool | None) -> bool
     )
 
 
-def classifies(loss_name: str | None, from_logits: bool | None) -> bool:
-    """Whether the loss reads the outputs as logits or probabilities: a
-    ``from_logits`` loss, a probability loss, or one named for a softmax,
-    a sigmoid or logits."""
+def exp_limited(loss_name: str | None, before_final_activation: bool) -> bool:
+    """Whether an output's logits pass through a hand-written ``exp``: the
+    loss is none of Keras' (theirs are stable) and reads the outputs as
+    logits or probabilities (a final softmax or sigmoid, or a loss named for
+    them, a log, an exp or a likelihood)."""
     key = _loss_key(loss_name)
-    return (
-        from_logits is True
-        or reads_probabilities(loss_name, from_logits)
-        or any(word in key for word in CLASSIFIER_WORDS)
-    )
+    if not key or any(word in key for word in KERAS_LOSS_WORDS + REGRESSION_LOSSES):
+        return False
+    return before_final_activation or any(word in key for word in EXP_WORDS)
 
 
 def is_regression(loss_name: str | None) -> bool:
@@ -155,12 +175,13 @@ def schedule_jump(rates: Sequence[float] | np.ndarray, step: int = 0) -> dict | 
         return None
     rise = np.diff(r)  # rise[i - 1]: from step i - 1 to step i
     before_max = np.maximum.accumulate(r)[:-1]
+    # The rises beside it (a fall counts as none: a one-step spike is a jump too).
     neighbours = np.maximum(
-        np.abs(np.concatenate([[0.0], rise[:-1]])), np.abs(np.concatenate([rise[1:], [0.0]]))
-    )
+        np.concatenate([[0.0], rise[:-1]]), np.concatenate([rise[1:], [0.0]])
+    ).clip(min=0.0)
     jumps = (
         (r[1:] > JUMP_FACTOR * r[:-1])
-        & (r[1:] > before_max)
+        & (r[1:] > before_max * (1 + ABOVE_SLACK))  # a restart's rounding is not above
         & (rise > JUMP_FACTOR * neighbours)
         & (r[:-1] >= 0)
     )

@@ -87,7 +87,7 @@ class WatchOptions:
     pre_step_weights: str = "on_suspect"
     explosion_factor: float = 1e3
     rewind_every: int = DEFAULT_REWIND_EVERY
-    rewind_memory_mb: float = 512.0
+    rewind_memory_mb: float = 2048.0
     rewind_disk_mb: float = 8192.0
     remedy_trials: bool = True
     trial_budget_s: float = 120.0

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from tb_nanwatch.evidence import early_warnings as rules
+from tb_nanwatch.evidence.causes.case import is_target
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import Schema
 
@@ -29,7 +30,7 @@ def _max_abs(vector: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarra
 class _Signals:
     """Where each forecast signal lives in the vector, and its limit."""
 
-    def __init__(self, schema: Schema, policy: str | None, classifies: bool) -> None:
+    def __init__(self, schema: Schema, policy: str | None, loss_name: str | None) -> None:
         dtype_max = rules.dtype_limit(policy)
         names, limits = ["loss", "global gradient norm"], [rules.FLOAT32_MAX] * 2
         self.header = np.array([schema.header_index("loss"), schema.header_index("grad_norm")])
@@ -37,7 +38,9 @@ class _Signals:
         self.low = np.array([e.index("min") for e in watched], np.intp)
         self.high = np.array([e.index("max") for e in watched], np.intp)
         for entry in watched:
-            if entry.kind == "logits" and (classifies or entry.before_final_activation):
+            if entry.kind == "logits" and rules.exp_limited(
+                loss_name, entry.before_final_activation
+            ):
                 names.append(f"the largest |logit| of {entry.layer}")
                 limits.append(math.log(dtype_max))  # exp of a logit overflows past it
             elif entry.kind == "logits":
@@ -78,8 +81,7 @@ class EarlyWarnings:
             self._fail(error)
 
     def _start(self, schema: Schema, run_info: dict) -> None:
-        classifies = rules.classifies(run_info.get("loss_name"), run_info.get("loss_from_logits"))
-        self._signals = _Signals(schema, run_info.get("dtype_policy"), classifies)
+        self._signals = _Signals(schema, run_info.get("dtype_policy"), run_info.get("loss_name"))
         self._logs = np.full((rules.WINDOW, len(self._signals.names)), np.nan)
         self._scale_index = schema.header_index("loss_scale")
         backward = schema.find(phase="backward")
@@ -155,7 +157,7 @@ class EarlyWarnings:
                 "min": float(vector[entry.index("min")]),
                 "max": float(vector[entry.index("max")]),
                 "dtype": dtypes.get(entry.layer) if isinstance(dtypes, dict) else None,
-                "target": str(entry.layer or "").startswith("target"),
+                "target": is_target(entry),
             }
             for entry in self.schema.find("input", "input")
             if entry.micro_batch in (None, 0)

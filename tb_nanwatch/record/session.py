@@ -830,8 +830,11 @@ class WatchSession:
         if self.options.rewind_every == 0:
             missing = "rewind points are off (rewind_every=0)"
         elif summary.get("rewind_point"):
+            # This process wrote it, within rewind_disk_mb: not a stranger's
+            # file, so not held to the bundles' byte limit.
             rewind = rewind_points.load_rewind_point(
-                posixpath.join(self.log_dir, summary["rewind_point"])
+                posixpath.join(self.log_dir, summary["rewind_point"]),
+                max_bytes=int(self.options.rewind_disk_mb * 2**20),
             )
         else:
             missing = summary.get("rewind_point_not_taken") or "none was saved"
