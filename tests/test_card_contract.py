@@ -19,6 +19,7 @@ import nanwatch_testlib as lib
 import numpy as np
 import pytest
 from test_trial_fidelity import house_features, normalised_model
+from test_trial_fidelity import run as run_trials
 
 import tb_nanwatch
 from tb_nanwatch import cli
@@ -244,7 +245,6 @@ def square_norm_model(norm_dtype=None) -> keras.Model:
 def test_a_float16_overflow_in_one_layer_is_fixed_by_that_layer_in_float32(mixed_precision):
     from test_trials import exact_bundle
 
-    from tb_nanwatch.evidence.options import WatchOptions
     from tb_nanwatch.record.after_incident import trials
 
     rng = np.random.RandomState(3)
@@ -256,14 +256,7 @@ def test_a_float16_overflow_in_one_layer_is_fixed_by_that_layer_in_float32(mixed
     saved = exact_bundle(model, 0, x, y)
     evidence = {"layer": "square_norm", "dtype_policy": "mixed_float16"}
     cause = {"id": "fp16_overflow", "remedy_ids": ["float32_layer"], "evidence": evidence}
-    found = trials.run_trials(
-        model,
-        cause,
-        trials.TrialData(bundle=saved),
-        None,
-        WatchOptions(trial_budget_s=lib.TRIAL_BUDGET_S),
-        lambda line: None,
-    )
+    found = run_trials(model, cause, trials.TrialData(bundle=saved))
     assert found.baseline.outcome == "not_fixed"
     (trial,) = found
     assert trial.remedy == "float32_layer" and trial.outcome == "fixed", trial
@@ -337,9 +330,9 @@ def test_rewind_sets_the_learning_fix_even_listed_after_one_that_stopped_learnin
     assert change is not None and change.remedy == "fix_schedule", why
 
 
-def test_rewind_falls_back_to_a_fix_that_stopped_learning_only_when_no_learning_fix_is_live():
-    # The learning fix is a data transform (not live): the run is better
-    # rewound with the rate that kept it finite than skipped into a stop.
+def test_rewind_never_sets_a_fix_that_stopped_learning_over_a_learning_fix_it_cannot_set():
+    # The learning fix is a data transform (not live): the run is not rewound
+    # into one that goes on without learning; why names both.
     recovery = recovery_with(
         [
             Trial("lower_lr", "fixed", setting="lr x0.001", learning=False),
@@ -347,7 +340,9 @@ def test_rewind_falls_back_to_a_fix_that_stopped_learning_only_when_no_learning_
         ]
     )
     change, why = recovery._choose_remedy()
-    assert change is not None and change.remedy == "lower_lr", why
+    assert change is None, change
+    assert "scale_targets kept the trial finite but cannot be set on a live run" in why
+    assert "lower_lr kept the trial finite but stopped learning" in why
 
 
 def test_rewind_sets_a_fix_that_stopped_learning_when_no_learning_fix_exists():

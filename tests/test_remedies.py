@@ -20,13 +20,12 @@ import zipfile
 from pathlib import Path
 
 import keras
-import nanwatch_testlib as lib
 import numpy as np
 import pytest
 from nanwatch_testlib import base_vector
+from test_trial_fidelity import run as run_trials
 
 from tb_nanwatch.evidence import causes, changes, remedies
-from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.recorded import Flight, Record, Series
 from tb_nanwatch.evidence.schema import BEFORE_FINAL_ACTIVATION, Schema
 from tb_nanwatch.evidence.trials import Trial
@@ -457,14 +456,7 @@ def test_a_new_remedy_is_one_catalogue_entry_tried_and_set_live(monkeypatch):
     weights = {v.path: v.numpy() for v in model.trainable_weights}
     saved = ReproBundle(3, [x, np.ones((8, 1), "float32")], weights, {"exact": True})
     cause = {"id": "input_data", "remedy_ids": ["soft_clip", "skip_nan_rows"], "evidence": {}}
-    found = trials.run_trials(
-        model,
-        cause,
-        trials.TrialData(bundle=saved),
-        None,
-        WatchOptions(trial_budget_s=lib.TRIAL_BUDGET_S),
-        lambda line: None,
-    )
+    found = run_trials(model, cause, trials.TrialData(bundle=saved))
     by_id = {t.remedy: t for t in found}
     assert by_id["skip_nan_rows"].outcome == "fixed"
     assert by_id["skip_nan_rows"].setting == "rows holding NaN/Inf dropped"

@@ -81,6 +81,7 @@ export function createTimeline(container, opts) {
     el("span", { class: "swatch swatch-first" }), " first non-finite  ",
     el("span", { class: "swatch swatch-explosion-line" }), " explosion onset  ",
     el("span", { class: "swatch swatch-lr-line" }), " learning-rate jump before it  ",
+    el("span", { class: "swatch swatch-warning-line" }), " early warning  ",
     el("span", { class: "swatch swatch-rewind" }), " rewind (the steps it undid)  ",
     el("span", { class: "swatch swatch-skipped" }), " skipped steps · ",
     "drag: zoom · shift+drag: pan · double-click: reset · click: layers of that step",

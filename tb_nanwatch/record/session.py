@@ -55,7 +55,7 @@ from tb_nanwatch.record.after_incident.rewind_points import (
     RewindRing,
     SnapshotDisk,
 )
-from tb_nanwatch.record.after_incident.trial_replica import output_units
+from tb_nanwatch.record.after_incident.trial_replica import model_outputs, output_units
 from tb_nanwatch.record.in_step.recorder import StepRecorder
 from tb_nanwatch.record.in_step.taps import variable_path
 from tb_nanwatch.record.writing import crash_safety
@@ -232,12 +232,8 @@ def model_ends(model) -> dict:
 
 
 def _output_layers(model) -> list:
-    try:
-        tensors = tf.nest.flatten(getattr(model, "outputs", None) or [])
-    except (AttributeError, ValueError):  # a subclassed model that was never called
-        return []
     found = []
-    for tensor in tensors:
+    for tensor in model_outputs(model):
         history = getattr(tensor, "_keras_history", None)
         layer = getattr(history, "operation", None) or getattr(history, "layer", None)
         if layer is None:

@@ -281,12 +281,14 @@ class Recovery:
         and that is not set yet, or None and why there is none. In the order
         of :func:`evidence_trials.rank`: the first *learning* fix (its loss
         kept going down) that a live run can take; a fix that stopped learning
-        only when no learning fix can be set live."""
+        only when no fix kept learning (never over one that the run cannot
+        take live: the run would go on without learning)."""
         if not self.trials:
             if not self.options.remedy_trials:
                 return None, "the remedy trials are off (remedy_trials=False)"
             return None, "no remedy was tried for this cause"
         by_id = evidence_trials.by_remedy(self.trials)
+        learns = any(t.outcome == "fixed" and t.learning is True for t in self.trials)
         reasons = []
         for remedy in evidence_trials.rank(list(by_id), self.trials):
             trial = by_id[remedy]
@@ -295,6 +297,12 @@ class Recovery:
                 reasons.append(f"{remedy}: {evidence_trials.trial_text(trial)}")
                 continue
             if trial.outcome != "fixed" or remedy in self._applied:
+                continue
+            if learns and trial.learning is not True:
+                reasons.append(
+                    f"{remedy} kept the trial finite but stopped learning: not set over a fix "
+                    "that kept learning"
+                )
                 continue
             if not live_remedies.is_live(remedy):
                 reasons.append(f"{remedy} kept the trial finite but cannot be set on a live run")

@@ -595,15 +595,19 @@ def trial_loss(
     return compiled
 
 
-def output_units(model: keras.Model) -> list[int | None]:
-    """The last dimension of each model output (None: not known); [] when the
-    model has no symbolic outputs (a subclassed model)."""
+def model_outputs(model: keras.Model) -> list:
+    """The model's symbolic output tensors, flat; [] when it has none (a
+    subclassed model that was never called)."""
     try:
-        outputs = tf.nest.flatten(getattr(model, "outputs", None) or [])
-    except (AttributeError, ValueError):  # a subclassed model that was never called
+        return tf.nest.flatten(getattr(model, "outputs", None) or [])
+    except (AttributeError, ValueError):
         return []
+
+
+def output_units(model: keras.Model) -> list[int | None]:
+    """The last dimension of each model output (None: not known)."""
     units = []
-    for tensor in outputs:
+    for tensor in model_outputs(model):
         shape = getattr(tensor, "shape", None)
         last = shape[-1] if shape is not None and len(shape) else None
         units.append(int(last) if last is not None else None)
