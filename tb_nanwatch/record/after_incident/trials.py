@@ -27,7 +27,9 @@ so.
 baseline) and must reproduce the recorded run: its loss at each of the first
 :data:`REPRODUCE_STEPS` steps must be within :data:`RTOL` x |recorded| +
 :data:`ATOL` (relative 1e-3 + absolute 1e-6, float32; :data:`RTOL_LATER`,
-1e-2 relative, after the first step) of the recorded loss of the same step (``TrialData.recorded_losses``, the journal's series), or both
+1e-2 relative, after the first step, or within :data:`SPREAD_MARGIN` x what a
+re-run nudged by :data:`ROUNDING_NUDGE` moves) of the recorded loss of the
+same step (``TrialData.recorded_losses``, the journal's series), or both
 non-finite. When it does not, every remedy is ``cannot_verify``, its why
 "cannot verify: the re-run diverged from the recorded run at step k
 (recorded L1, re-run L2)" (or the recorded losses are not known): never
