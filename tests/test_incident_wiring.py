@@ -14,8 +14,9 @@ from nanwatch_testlib import report_json
 from test_replay import BATCH, backward_sqrt, forward_log, loop_until_incident
 
 import tb_nanwatch
+from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.record.after_incident import replay
-from tb_nanwatch.record.session import WatchOptions, base_run_info
+from tb_nanwatch.record.run_info import base_run_info
 
 
 def _report(log_dir) -> dict:

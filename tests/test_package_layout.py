@@ -21,7 +21,8 @@
 * ``record/after_incident``: bundles, rewind points, replay, trials and
   recovery;
 * the front ends and their session (``callback``, ``custom_loop``,
-  ``session``, ``summary``) at the top of ``record/``, free to use every wing.
+  ``session`` with ``run_info``, ``summary``) at the top of ``record/``, free
+  to use every wing.
 
 A wing imports only the wings listed for it in :data:`WING_MAY_IMPORT`.
 
@@ -66,7 +67,7 @@ WING_MAY_IMPORT = {
     "in_step": ("stats", "writing"),
     "after_incident": ("in_step", "stats", "writing"),
 }
-FRONT_ENDS = ("callback", "custom_loop", "session", "summary")
+FRONT_ENDS = ("callback", "custom_loop", "session", "run_info", "summary")
 # Wings that write or judge a run without running a model: no TensorFlow import
 # in them, anywhere (synthetic runs for the tests and benchmarks, the writer).
 WINGS_WITHOUT_TENSORFLOW = ("writing",)

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import tb_nanwatch
 from tb_nanwatch import cli
-from tb_nanwatch.record import session
+from tb_nanwatch.record import run_info
 from tb_nanwatch.record.after_incident import bundle as bundle_module
 from tb_nanwatch.record.after_incident import replay
 from tb_nanwatch.record.callback import NonFiniteError
@@ -135,7 +135,7 @@ def test_mixed_precision_policy_and_every_weight_checked(tmp_path):
     ],
 )
 def test_loss_from_logits(loss, expected):
-    assert session.loss_from_logits(loss) is expected
+    assert run_info.loss_from_logits(loss) is expected
 
 
 # -- the remedy trials at the end of training and in a copied run dir ----------------------

@@ -15,7 +15,7 @@ import tensorflow as tf
 from nanwatch_testlib import TRIAL_BUDGET_S, report_json
 
 import tb_nanwatch
-from tb_nanwatch.record import session
+from tb_nanwatch.record import run_info
 
 VOCAB = 300
 BATCH = 16
@@ -121,7 +121,7 @@ def test_the_run_info_records_the_models_ends():
             keras.layers.Dense(5, activation="softmax"),
         ]
     )
-    facts = session.model_ends(model)
+    facts = run_info.model_ends(model)
     assert facts == {
         "first_layer_class": "Normalization",
         "normalizes_inputs": True,
@@ -129,10 +129,10 @@ def test_the_run_info_records_the_models_ends():
         "output_units": [5],
     }
     raw = next_token_model(softmax=False)
-    assert session.model_ends(raw)["output_activations"] == ["linear"]
-    assert session.model_ends(raw)["normalizes_inputs"] is False
-    assert session.loss_name(next_token_loss) == "next_token_loss"
-    assert session.loss_name(keras.losses.SparseCategoricalCrossentropy()) == (
+    assert run_info.model_ends(raw)["output_activations"] == ["linear"]
+    assert run_info.model_ends(raw)["normalizes_inputs"] is False
+    assert run_info.loss_name(next_token_loss) == "next_token_loss"
+    assert run_info.loss_name(keras.losses.SparseCategoricalCrossentropy()) == (
         "SparseCategoricalCrossentropy"
     )
 

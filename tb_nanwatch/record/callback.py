@@ -48,10 +48,10 @@ from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.record.after_incident.console import keras_bar_ended, keras_bar_follows
 from tb_nanwatch.record.in_step import legacy_keras, schedule_ahead, train_step
 from tb_nanwatch.record.in_step.recorder import StepRecorder
+from tb_nanwatch.record.run_info import base_run_info
 from tb_nanwatch.record.session import (
     NonFiniteError,
     WatchSession,
-    base_run_info,
     check_writable,
     warn_stopped_watching,
 )

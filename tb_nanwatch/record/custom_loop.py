@@ -76,18 +76,17 @@ import keras
 import tensorflow as tf
 
 from tb_nanwatch.evidence.options import WatchOptions, positive_int
+from tb_nanwatch.evidence.remedies import loss_name
 from tb_nanwatch.record.after_incident.console import keras_bar_ended, keras_bar_follows
 from tb_nanwatch.record.in_step.phase_stats import StepInputs
 from tb_nanwatch.record.in_step.recorder import PendingStep, StepPatternError, StepRecorder
 from tb_nanwatch.record.in_step.taps import StepTrace
+from tb_nanwatch.record.run_info import base_run_info, loss_from_logits
 from tb_nanwatch.record.session import (
     NonFiniteError,
     WatchSession,
-    base_run_info,
     check_optimizer,
     check_writable,
-    loss_from_logits,
-    loss_name,
 )
 from tb_nanwatch.record.writing.journal import RunJournal
 from tb_nanwatch.record.writing.run_dirs import RunPlacement

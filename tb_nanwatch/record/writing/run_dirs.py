@@ -26,6 +26,7 @@ The rule (docs/reference/on-disk-format.md):
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -154,3 +155,46 @@ class RunPlacement:
             self.stage += 1
             self._current = posixpath.join(self.run_dir, f"stage_{self.stage}")
         return self._current
+
+
+@dataclasses.dataclass
+class WorkerInfo:
+    """Where this process sits in a multi-worker cluster."""
+
+    task_type: str
+    task_id: int
+    is_chief: bool
+    tasks: list[str]  # every task, in global replica order ("chief_0", "worker_0", ...)
+
+    @property
+    def name(self) -> str:
+        return f"{self.task_type}_{self.task_id}"
+
+
+def worker_info(strategy) -> WorkerInfo | None:
+    """The cluster position under MultiWorkerMirroredStrategy, else None."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return None
+    try:
+        spec = resolver.cluster_spec().as_dict()
+    except Exception:  # noqa: BLE001
+        return None
+    if not spec or resolver.task_type is None:
+        return None
+    tasks = [f"chief_{i}" for i in range(len(spec.get("chief", [])))]
+    tasks += [f"worker_{i}" for i in range(len(spec.get("worker", [])))]
+    if len(tasks) <= 1:
+        return None
+    task_type, task_id = str(resolver.task_type), int(resolver.task_id or 0)
+    is_chief = task_type == "chief" or (
+        task_type == "worker" and task_id == 0 and "chief" not in spec
+    )
+    return WorkerInfo(task_type, task_id, is_chief, tasks)
+
+
+def worker_run_dir(log_dir: str, info: WorkerInfo | None) -> str:
+    """The chief (or a single process) writes ``log_dir``; others a subdir."""
+    if info is None or info.is_chief:
+        return log_dir
+    return posixpath.join(log_dir, info.name)
