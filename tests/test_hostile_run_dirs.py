@@ -31,7 +31,7 @@ import tb_nanwatch
 from tb_nanwatch import cli
 from tb_nanwatch.evidence import limits, run_dir_box
 from tb_nanwatch.evidence import trials as evidence_trials
-from tb_nanwatch.record.after_incident import rewind_points
+from tb_nanwatch.record.after_incident import rewind_points, trials_file
 from tb_nanwatch.record.after_incident import trials as remedy_trials
 from tb_nanwatch.record.writing import run_dirs
 
@@ -425,7 +425,7 @@ def test_9_a_malformed_trial_entry_is_not_tried_never_a_fix(recorded, tmp_path):
             evidence_trials.Trial("clip_gradients", "not_fixed", steps=20),
         ]
     )
-    path = remedy_trials.write_trials(run_dir, 48, {"id": "explosion"}, found)
+    path = trials_file.write_trials(run_dir, 48, {"id": "explosion"}, found)
     with open(path) as f:
         body = json.load(f)
     body["trials"].insert(0, {**body["trials"][0], "remedy": "fix_schedule", "steps": "x"})
@@ -478,7 +478,7 @@ def test_9_repro_swapped_for_a_symlink_while_the_trials_run(recorded, tmp_path, 
     run_dir = copy_run(recorded, "explosion", str(tmp_path / "logs"))
     stolen = os.path.join(outside, "repro")
     sent = copy_run(recorded, "explosion", str(tmp_path / "other"))
-    remedy_trials.write_trials(sent, 1, {"id": "explosion"}, remedy_trials.TrialList())
+    trials_file.write_trials(sent, 1, {"id": "explosion"}, remedy_trials.TrialList())
     with open(os.path.join(sent, "repro", "trials.json")) as f:
         victim = f.read()
     swapped = []

@@ -16,6 +16,7 @@ from nanwatch_testlib import TRIAL_BUDGET_S
 
 import tb_nanwatch
 from tb_nanwatch.evidence.options import WatchOptions
+from tb_nanwatch.evidence.trials import TRIALS_FILE
 from tb_nanwatch.record.after_incident import rewind_points, trials
 from tb_nanwatch.record.after_incident.rewind_points import RewindPoint, SnapshotDisk
 from tb_nanwatch.record.after_incident.trial_replica import TrainedState
@@ -68,7 +69,7 @@ def test_two_snapshots_above_the_memory_bound_still_get_a_rewind_point_and_trial
     assert summary["rewind_point"] == rewind_points.REWIND_DIR, summary
     point = rewind_points.load_rewind_point(str(tmp_path))
     assert point.step in (0, 4) and point.weights
-    body = json.loads((tmp_path / "repro" / trials.TRIALS_FILE).read_text())
+    body = json.loads((tmp_path / "repro" / TRIALS_FILE).read_text())
     assert body["trials"] and "rewind point" in body["plan"], body
     assert not any("rewind_memory_mb" in t["why"] for t in body["trials"]), body
     assert any(t["outcome"] != "not_tried" for t in body["trials"]), body

@@ -22,7 +22,7 @@ import tb_nanwatch
 from tb_nanwatch.evidence import trials as evidence_trials
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.trials import TRIALS_FILE
-from tb_nanwatch.record.after_incident import trials
+from tb_nanwatch.record.after_incident import fidelity, trials
 from tb_nanwatch.record.after_incident.rewind_points import RewindPoint, load_rewind_point
 
 BATCH = 32
@@ -205,7 +205,7 @@ def test_a_later_step_is_judged_against_what_rounding_alone_moves_the_re_run(mon
     assert "rounding alone moves it" in found[0].why
     # A run that a nudge at the start moves by more (as an adaptive optimizer's
     # first updates do): the same 5% is within what rounding explains.
-    monkeypatch.setattr(trials, "ROUNDING_NUDGE", 0.3)
+    monkeypatch.setattr(fidelity, "ROUNDING_NUDGE", 0.3)
     found = run(model, cause, trials.TrialData(rewind=point, recorded_losses=recorded))
     assert found.fidelity.startswith("the re-run reproduced the recorded losses of steps 10-12")
     assert "the difference rounding alone makes (a re-run nudged by 0.3:" in found.fidelity
@@ -358,7 +358,7 @@ def test_the_explosion_line_never_has_a_reference_of_zero():
 def test_rewind_mode_names_a_cannot_verify_remedy_as_such(tmp_path, monkeypatch):
     from test_rewind_mode import _fit
 
-    monkeypatch.setattr(trials, "_same_loss", lambda *args: False)  # never reproduced
+    monkeypatch.setattr(fidelity, "same_loss", lambda *args: False)  # never reproduced
     _, watch, _ = _fit(tmp_path / "run", on_nonfinite="rewind")
     summary = watch.journal.summary()
     assert summary["recoveries"] == []  # nothing verified: no remedy is set

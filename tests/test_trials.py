@@ -22,7 +22,7 @@ from scenarios import dead_relu_head
 import tb_nanwatch
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.trials import TRIALS_FILE
-from tb_nanwatch.record.after_incident import trials
+from tb_nanwatch.record.after_incident import trial_episodes, trials, trials_file
 from tb_nanwatch.record.after_incident.bundle import ReproBundle
 from tb_nanwatch.record.after_incident.rewind_points import RewindPoint
 
@@ -133,7 +133,7 @@ def test_raw_house_prices_need_scaled_data_not_a_lower_rate():
         "evidence": {},
     }
     found, listed, _ = run(model, cause, trials.TrialData(rewind=point))
-    steps = trials.MIN_REWIND_STEPS
+    steps = trial_episodes.MIN_REWIND_STEPS
     assert listed.baseline.outcome == "not_fixed"
     assert not by_hand(mlp(3, [16, 16]), start, batches, steps, keras.optimizers.SGD(1e-4))[0]
     # Inputs and targets both raw: neither alone is enough (each keeps its
@@ -175,7 +175,7 @@ def test_targets_near_100_clipping_works_and_ranks_before_a_rate_that_stops_lear
     point = rewind_point(model, keras.optimizers.SGD(0.05), batches, [0.05] * 4)
     cause = {"id": "growth_overflow", "remedy_ids": ["lower_lr", "clip_gradients"], "evidence": {}}
     found, listed, _ = run(model, cause, trials.TrialData(rewind=point))
-    steps = trials.MIN_REWIND_STEPS
+    steps = trial_episodes.MIN_REWIND_STEPS
     assert not by_hand(mlp(8, [32] * 4), start, batches, steps, keras.optimizers.SGD(0.05))[0]
 
     clipped = found["clip_gradients"]
@@ -287,7 +287,7 @@ def test_a_schedule_typo_is_fixed_by_holding_the_rate_before_the_jump():
         "evidence": {"lr": 1e3, "lr_before": 1e-3, "lr_ratio": 1e6},
     }
     found, listed, _ = run(model, cause, trials.TrialData(bundle=saved, optimizer=optimizer))
-    steps = trials.BUNDLE_STEPS
+    steps = trial_episodes.BUNDLE_STEPS
     assert listed.baseline.outcome == "not_fixed"
     assert not by_hand(mlp(4, [8]), start, [[x, y]], steps, keras.optimizers.SGD(1e3))[0]
     held = found["fix_schedule"]
@@ -315,13 +315,15 @@ def test_a_nan_row_is_fixed_by_dropping_it_and_the_session_writes_the_trials(tmp
         written = json.load(f)
     assert (written["version"], written["step"], written["cause"]) == (1, 3, "input_data")
     (dropped,) = [t for t in written["trials"] if t["remedy"] == "drop_bad_rows"]
-    assert dropped["outcome"] == "fixed" and dropped["steps"] == trials.BUNDLE_STEPS
+    assert dropped["outcome"] == "fixed" and dropped["steps"] == trial_episodes.BUNDLE_STEPS
     saved = tb_nanwatch.load_bundle(str(tmp_path))
     weights = [saved.weights[v.path] for v in model.trainable_weights]
     clean = [[b[np.isfinite(saved.batch[0]).all(axis=1)] for b in saved.batch]]
     sgd = keras.optimizers.SGD
-    assert by_hand(mlp(3, [4]), weights, clean, trials.BUNDLE_STEPS, sgd(0.01))[0]
-    assert not by_hand(mlp(3, [4]), weights, [saved.batch], trials.BUNDLE_STEPS, sgd(0.01))[0]
+    assert by_hand(mlp(3, [4]), weights, clean, trial_episodes.BUNDLE_STEPS, sgd(0.01))[0]
+    assert not by_hand(mlp(3, [4]), weights, [saved.batch], trial_episodes.BUNDLE_STEPS, sgd(0.01))[
+        0
+    ]
     err = capfd.readouterr().err
     assert "NanWatch trial 1/1: drop_bad_rows: Tried: rows holding NaN/Inf dropped" in err
 
@@ -358,7 +360,7 @@ def test_a_float16_overflow_is_fixed_by_the_float32_policy(mixed_precision):
     saved = exact_bundle(model, 0, x, y)
     cause = {"id": "fp16_overflow", "remedy_ids": ["float32_policy"], "evidence": {}}
     found, listed, _ = run(model, cause, trials.TrialData(bundle=saved))
-    steps = trials.BUNDLE_STEPS
+    steps = trial_episodes.BUNDLE_STEPS
     assert listed.baseline.outcome == "not_fixed"
     assert not by_hand(fp16_model(), start, [[x, y]], steps, keras.optimizers.SGD(1e-12))[0]
     assert found["float32_policy"].outcome == "fixed"
@@ -391,7 +393,7 @@ def test_an_explosion_after_a_rate_jump_is_fixed_by_the_rate_before_it():
         "evidence": {"signal": "loss", "onset_step": 5},
     }
     found, listed, _ = run(model, cause, trials.TrialData(rewind=point))
-    steps = trials.MIN_REWIND_STEPS
+    steps = trial_episodes.MIN_REWIND_STEPS
     assert (listed.baseline.outcome, listed.baseline.why.split(" at ")[0]) == (
         "not_fixed",
         "the loss crossed the explosion line",
@@ -465,21 +467,21 @@ def test_the_trials_file_is_written_only_where_it_is_ours(tmp_path):
         WatchOptions(trial_budget_s=lib.TRIAL_BUDGET_S),
         print,
     )
-    path = trials.write_trials(str(tmp_path), 3, cause, found)
+    path = trials_file.write_trials(str(tmp_path), 3, cause, found)
     with open(path) as f:
         assert json.load(f)["trials"][0]["remedy"] == "drop_bad_rows"
-    trials.write_trials(str(tmp_path), 3, cause, found)  # its own file: replaced
+    trials_file.write_trials(str(tmp_path), 3, cause, found)  # its own file: replaced
     os.remove(path)
     with open(path, "w") as f:
         f.write("not ours")
     with pytest.raises(ValueError, match="not a trials file"):
-        trials.write_trials(str(tmp_path), 3, cause, found)
+        trials_file.write_trials(str(tmp_path), 3, cause, found)
     os.remove(path)
     target = tmp_path / "elsewhere.txt"
     target.write_text("keep")
     os.symlink(target, path)
     with pytest.raises(ValueError, match="not written"):
-        trials.write_trials(str(tmp_path), 3, cause, found)
+        trials_file.write_trials(str(tmp_path), 3, cause, found)
     assert target.read_text() == "keep"
 
 
@@ -508,14 +510,14 @@ def test_a_log_of_a_saturated_probability_is_fixed_by_clipping_the_predictions()
     assert found["from_logits"].outcome == "not_tried"  # a function has no from_logits
     assert "has no from_logits" in found["from_logits"].why
     clipped = found["clip_predictions"]
-    assert clipped.outcome == "fixed" and clipped.steps == trials.BUNDLE_STEPS
+    assert clipped.outcome == "fixed" and clipped.steps == trial_episodes.BUNDLE_STEPS
     # By hand: the same loss on clipped predictions stays finite, on raw ones not.
     for clip, works in ((True, True), (False, False)):
         copy = keras.models.clone_model(model)
         copy.set_weights(model.get_weights())
         sgd = keras.optimizers.SGD(0.01)
         finite = True
-        for _ in range(trials.BUNDLE_STEPS):
+        for _ in range(trial_episodes.BUNDLE_STEPS):
             with tf.GradientTape() as tape:
                 p = copy(x, training=True)
                 p = tf.clip_by_value(p, 1e-7, 1 - 1e-7) if clip else p

@@ -14,7 +14,8 @@ run, in this order (:func:`replay_then_trials`):
 3. ``trials`` says what the trials need (:class:`TrialInput`, read now: after
    the op is named and the record closed; None: no trials); a cause without
    a remedy to try runs none;
-4. the remedy trials (``trials.py``), written to ``<run dir>/repro/trials.json``.
+4. the remedy trials (``trials.py``), written to ``<run dir>/repro/trials.json``
+   (``trials_file.py``).
 
 The caller's :class:`Hooks` say what it does after the replay (``named``),
 between the two (``then``) and on a failure of either (``failed(stage,
@@ -32,10 +33,12 @@ from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.printable import printable
 from tb_nanwatch.record.after_incident import replay as replays
 from tb_nanwatch.record.after_incident import trials as remedy_trials
+from tb_nanwatch.record.after_incident import trials_file
 from tb_nanwatch.record.after_incident.bundle import ReproBundle
 from tb_nanwatch.record.after_incident.console import CONSOLE
 from tb_nanwatch.record.after_incident.replay import OpOrigin
-from tb_nanwatch.record.after_incident.trials import Progress, TrialData, TrialList
+from tb_nanwatch.record.after_incident.trial_episodes import TrialData
+from tb_nanwatch.record.after_incident.trials import Progress, TrialList
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +114,7 @@ def replay_then_trials(
             CONSOLE.end_progress()  # an updating progress line ends before what follows
         if not found:
             return done  # only advice: nothing to try
-        remedy_trials.write_trials(run_dir, wanted.step, wanted.cause, found)
+        trials_file.write_trials(run_dir, wanted.step, wanted.cause, found)
     except Exception as error:  # noqa: BLE001 - the caller says what a failure does
         _failed(hooks.failed, "trials", error)
         return done
