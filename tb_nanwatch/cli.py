@@ -358,7 +358,7 @@ def _trial_input(run_dir: str, saved):
     step (the bundle's, else the explosion's), its explosion line, and the
     bundle ``saved`` and the rewind point to start from."""
     from tb_nanwatch.evidence.options import WatchOptions
-    from tb_nanwatch.record.after_incident import follow_up, rewind_points, trials
+    from tb_nanwatch.record.after_incident import follow_up, rewind_file, trials
 
     run = _run_of(run_dir)
     cause, summary = run["cause"], run["summary"]
@@ -366,7 +366,7 @@ def _trial_input(run_dir: str, saved):
     def data() -> trials.TrialData:
         losses = dict(run["losses"])  # the recorded losses the re-run must reproduce
         if summary.get("rewind_point"):
-            point = rewind_points.load_rewind_point(run_dir)
+            point = rewind_file.load_rewind_point(run_dir)
             losses.update(point.recorded_losses())
             return trials.TrialData(saved, rewind=point, recorded_losses=losses)
         missing = summary.get("rewind_point_not_taken") or "none was saved"

@@ -31,7 +31,7 @@ import tb_nanwatch
 from tb_nanwatch import cli
 from tb_nanwatch.evidence import limits, run_dir_box
 from tb_nanwatch.evidence import trials as evidence_trials
-from tb_nanwatch.record.after_incident import rewind_points, trials_file
+from tb_nanwatch.record.after_incident import rewind_file, trials_file
 from tb_nanwatch.record.after_incident import trials as remedy_trials
 from tb_nanwatch.record.writing import run_dirs
 
@@ -151,7 +151,7 @@ def test_1_huge_declared_counts_are_refused_before_any_array_name_is_built(recor
     tracemalloc.start()
     try:
         with pytest.raises(limits.LimitError, match="more than the limit of 65536"):
-            rewind_points.load_rewind_point(run_dir)
+            rewind_file.load_rewind_point(run_dir)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -334,11 +334,11 @@ def test_7_names_from_the_run_dir_reach_the_terminal_inert(recorded, tmp_path):
     edit_json(os.path.join(bundle_dir, "bundle.json"), custom_objects=[entry])
     explosion = copy_run(recorded, "explosion", logdir)
     # A weight name the model does not have: the trials' line quotes it.
-    point = rewind_points.load_rewind_point(explosion)
+    point = rewind_file.load_rewind_point(explosion)
     point.weights["evil\x1b[2J\x1b]0;title\x07"] = np.zeros(1, np.float32)
-    for name in (rewind_points.ARRAYS_FILE, rewind_points.META_FILE):
+    for name in (rewind_file.ARRAYS_FILE, rewind_file.META_FILE):
         os.remove(os.path.join(explosion, REWIND, name))
-    rewind_points.save_rewind_point(explosion, point)
+    rewind_file.save_rewind_point(explosion, point)
     unknown, trials = guarded_cli(
         [["replay", incident, "--no-trials"], ["replay", explosion]], [], tensorflow=True
     )

@@ -26,7 +26,10 @@ import tensorflow as tf  # noqa: E402
 from nanwatch_testlib import run_worker  # noqa: E402
 
 import tb_nanwatch  # noqa: E402
-from tb_nanwatch.record.after_incident import rewind_points  # noqa: E402
+from tb_nanwatch.record.after_incident import (
+    rewind_file,
+    rewind_points,  # noqa: E402
+)
 from tb_nanwatch.record.in_step.batch_ring import BatchRing, RingMiss  # noqa: E402
 from tb_nanwatch.record.in_step.device_record import _local_variable  # noqa: E402
 from tb_nanwatch.record.stats.graph import GraphStats  # noqa: E402
@@ -138,8 +141,8 @@ def _host_ring(steps: list[int], every: int = 3, memory_mb: float = 1.0):
 def test_the_last_two_snapshots_are_kept(tmp_path):
     ring, device = _host_ring([0, 1, 2, 3, 4, 5, 6, 7])
     assert [s.step for s in ring.snapshots] == [3, 6]
-    assert ring.save(str(tmp_path), device, through=7) == rewind_points.REWIND_DIR
-    point = rewind_points.load_rewind_point(str(tmp_path))
+    assert ring.save(str(tmp_path), device, through=7) == rewind_file.REWIND_DIR
+    point = rewind_file.load_rewind_point(str(tmp_path))
     assert point.step == 6
     np.testing.assert_array_equal(point.weights["dense/kernel"], np.full(4, 6.0))
     np.testing.assert_array_equal(point.optimizer["adam/m"], np.full(4, -6.0))
@@ -152,7 +155,7 @@ def test_the_last_two_snapshots_are_kept(tmp_path):
 def test_the_snapshot_chosen_is_from_before_the_onset(tmp_path, onset, step, before_onset):
     ring, device = _host_ring([0, 1, 2, 3, 4, 5, 6, 7])
     ring.save(str(tmp_path), device, through=7, onset=onset)
-    point = rewind_points.load_rewind_point(str(tmp_path))
+    point = rewind_file.load_rewind_point(str(tmp_path))
     assert (point.step, point.info["before_onset"]) == (step, before_onset)
     assert len(point.batches) == 8 - step
 
@@ -165,8 +168,8 @@ def test_above_the_memory_bound_no_snapshot_is_kept_and_the_reason_is_given(tmp_
         ring.save(str(tmp_path), device, through=3)
 
 
-def _point(steps: int = 2) -> rewind_points.RewindPoint:
-    return rewind_points.RewindPoint(
+def _point(steps: int = 2) -> rewind_file.RewindPoint:
+    return rewind_file.RewindPoint(
         step=5,
         weights={"d/kernel": np.ones((2, 3), np.float32)},
         optimizer={"adam/iteration": np.array(5, np.int64)},
@@ -177,13 +180,13 @@ def _point(steps: int = 2) -> rewind_points.RewindPoint:
 
 
 def test_a_rewind_point_round_trips_through_its_files(tmp_path):
-    assert rewind_points.save_rewind_point(str(tmp_path), _point()) == "repro/rewind"
-    loaded = rewind_points.load_rewind_point(str(tmp_path / "repro" / "rewind" / "rewind.json"))
+    assert rewind_file.save_rewind_point(str(tmp_path), _point()) == "repro/rewind"
+    loaded = rewind_file.load_rewind_point(str(tmp_path / "repro" / "rewind" / "rewind.json"))
     assert (loaded.step, loaded.structure, loaded.learning_rates) == (5, [0, 0], [0.1, None])
     assert int(loaded.optimizer["adam/iteration"]) == 5
     np.testing.assert_array_equal(loaded.batches[1][0], np.full((2, 2), 1.0))
-    rewind_points.save_rewind_point(str(tmp_path), _point(1))  # its own files: overwritten
-    assert len(rewind_points.load_rewind_point(str(tmp_path)).batches) == 1
+    rewind_file.save_rewind_point(str(tmp_path), _point(1))  # its own files: overwritten
+    assert len(rewind_file.load_rewind_point(str(tmp_path)).batches) == 1
 
 
 def test_saving_never_overwrites_a_foreign_file_nor_follows_a_link(tmp_path):
@@ -191,27 +194,27 @@ def test_saving_never_overwrites_a_foreign_file_nor_follows_a_link(tmp_path):
     foreign.mkdir(parents=True)
     (foreign / "rewind.npz").write_bytes(b"someone else's")
     with pytest.raises(FileExistsError):
-        rewind_points.save_rewind_point(str(tmp_path / "a"), _point())
+        rewind_file.save_rewind_point(str(tmp_path / "a"), _point())
     assert (foreign / "rewind.npz").read_bytes() == b"someone else's"
     target = tmp_path / "elsewhere"
     target.mkdir()
     (tmp_path / "b" / "repro").mkdir(parents=True)
     os.symlink(target, tmp_path / "b" / "repro" / "rewind")
     with pytest.raises(FileExistsError, match="symbolic link"):
-        rewind_points.save_rewind_point(str(tmp_path / "b"), _point())
+        rewind_file.save_rewind_point(str(tmp_path / "b"), _point())
     assert not os.listdir(target)
 
 
 def test_loading_checks_the_declared_sizes(tmp_path):
-    rewind_points.save_rewind_point(str(tmp_path), _point())
+    rewind_file.save_rewind_point(str(tmp_path), _point())
     meta_path = tmp_path / "repro" / "rewind" / "rewind.json"
     meta = json.loads(meta_path.read_text())
     with pytest.raises(ValueError, match="declares"):
-        rewind_points.load_rewind_point(str(tmp_path), max_bytes=16)
+        rewind_file.load_rewind_point(str(tmp_path), max_bytes=16)
     meta["arrays"]["w/0"][1] = [1, 1]  # the file holds 2 x 3
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="w/0"):
-        rewind_points.load_rewind_point(str(tmp_path))
+        rewind_file.load_rewind_point(str(tmp_path))
 
 
 # -- in training -------------------------------------------------------------------------
@@ -278,7 +281,7 @@ def test_fit_saves_a_rewind_point_at_the_incident(
     assert watch._recorder.device.ring._growable is not jit_compile
     summary = watch.journal.summary()
     assert summary["rewind_point"] == "repro/rewind"
-    point = rewind_points.load_rewind_point(str(tmp_path))
+    point = rewind_file.load_rewind_point(str(tmp_path))
     # Snapshots every 5 steps, on execution boundaries (0, 6, 12 with 2 steps an execution).
     assert point.step == snapshot
     _check_point(point, state.weights[snapshot], x, y, through=13)
@@ -317,7 +320,7 @@ def test_a_custom_loop_saves_the_rewind_point_of_its_incident(tmp_path):
             break
     watcher.close()
     assert watcher.incident["step"] == 12
-    point = rewind_points.load_rewind_point(str(tmp_path))
+    point = rewind_file.load_rewind_point(str(tmp_path))
     assert point.step == 10
     _check_point(point, before[10], x, y, through=12)
     assert any("momentum" in path for path in point.optimizer)
@@ -332,7 +335,7 @@ def test_an_explosion_saves_a_rewind_point_from_before_its_onset(tmp_path):
     model.fit(**kwargs, callbacks=[state, watch], verbose=0)
     onset = watch.journal.explosion_onset["step"]
     assert onset >= truth["jump_step"]
-    point = rewind_points.load_rewind_point(str(tmp_path))
+    point = rewind_file.load_rewind_point(str(tmp_path))
     assert point.info["onset"] == onset and point.info["before_onset"] is True
     assert point.step <= onset - rewind_points.ONSET_MARGIN < point.step + 20
     x, y = kwargs["x"], kwargs["y"]
@@ -424,7 +427,7 @@ def _mirrored_worker(out: str) -> None:
     watch = tb_nanwatch.NanWatch(os.path.join(out, "run"), rewind_every=5, remedy_trials=False)
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     model.fit(data, callbacks=[state, watch], verbose=0)
-    point = rewind_points.load_rewind_point(os.path.join(out, "run"))
+    point = rewind_file.load_rewind_point(os.path.join(out, "run"))
     try:
         _check_point(point, state.weights[point.step], x, y, through=13)
         matches = True

@@ -17,8 +17,9 @@ from nanwatch_testlib import TRIAL_BUDGET_S
 import tb_nanwatch
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.trials import TRIALS_FILE
-from tb_nanwatch.record.after_incident import rewind_points, trials
-from tb_nanwatch.record.after_incident.rewind_points import RewindPoint, SnapshotDisk
+from tb_nanwatch.record.after_incident import rewind_file, rewind_points, trials
+from tb_nanwatch.record.after_incident.rewind_file import RewindPoint
+from tb_nanwatch.record.after_incident.rewind_points import SnapshotDisk
 from tb_nanwatch.record.after_incident.trial_replica import TrainedState
 
 BATCH = 16
@@ -66,8 +67,8 @@ def test_two_snapshots_above_the_memory_bound_still_get_a_rewind_point_and_trial
         warnings.filterwarnings("error", message="NanWatch keeps no rewind points")
         model.fit(x, y, batch_size=BATCH, shuffle=False, callbacks=[watch], verbose=0)
     summary = watch.journal.summary()
-    assert summary["rewind_point"] == rewind_points.REWIND_DIR, summary
-    point = rewind_points.load_rewind_point(str(tmp_path))
+    assert summary["rewind_point"] == rewind_file.REWIND_DIR, summary
+    point = rewind_file.load_rewind_point(str(tmp_path))
     assert point.step in (0, 4) and point.weights
     body = json.loads((tmp_path / "repro" / TRIALS_FILE).read_text())
     assert body["trials"] and "rewind point" in body["plan"], body

@@ -23,7 +23,7 @@ from tb_nanwatch.evidence import trials as evidence_trials
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.trials import TRIALS_FILE
 from tb_nanwatch.record.after_incident import fidelity, trials
-from tb_nanwatch.record.after_incident.rewind_points import RewindPoint, load_rewind_point
+from tb_nanwatch.record.after_incident.rewind_file import RewindPoint, load_rewind_point
 
 BATCH = 32
 

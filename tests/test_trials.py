@@ -24,7 +24,7 @@ from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.trials import TRIALS_FILE
 from tb_nanwatch.record.after_incident import trial_episodes, trials, trials_file
 from tb_nanwatch.record.after_incident.bundle import ReproBundle
-from tb_nanwatch.record.after_incident.rewind_points import RewindPoint
+from tb_nanwatch.record.after_incident.rewind_file import RewindPoint
 
 LINE = 1e3  # WatchOptions' explosion_factor
 BATCH = 8

@@ -42,17 +42,13 @@ from tb_nanwatch.record.after_incident import (
     follow_up,
     messages,
     replay,
-    rewind_points,
+    rewind_file,
     trial_remedies,
     trials,
 )
 from tb_nanwatch.record.after_incident.console import CONSOLE
 from tb_nanwatch.record.after_incident.recovery import Recovery
-from tb_nanwatch.record.after_incident.rewind_points import (
-    RewindNotTaken,
-    RewindRing,
-    SnapshotDisk,
-)
+from tb_nanwatch.record.after_incident.rewind_points import RewindNotTaken, RewindRing, SnapshotDisk
 from tb_nanwatch.record.in_step.recorder import StepRecorder
 from tb_nanwatch.record.in_step.taps import variable_path
 from tb_nanwatch.record.writing import crash_safety
@@ -633,7 +629,7 @@ class WatchSession:
         elif summary.get("rewind_point"):
             # This process wrote it, within rewind_disk_mb: not a stranger's
             # file, so not held to the bundles' byte limit.
-            rewind = rewind_points.load_rewind_point(
+            rewind = rewind_file.load_rewind_point(
                 posixpath.join(self.log_dir, summary["rewind_point"]),
                 max_bytes=int(self.options.rewind_disk_mb * 2**20),
             )

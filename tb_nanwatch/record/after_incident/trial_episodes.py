@@ -40,7 +40,7 @@ MAX_TRIAL_BYTES = 2 * 1024**3
 @dataclasses.dataclass
 class TrialData:
     """What the trials start from: the reproduction bundle, the rewind point
-    (``record/after_incident/rewind_points.py``'s ``RewindPoint``) or why there is none, and the
+    (``record/after_incident/rewind_file.py``'s ``RewindPoint``) or why there is none, and the
     run's optimizer (the object, or its Keras serialization)."""
 
     bundle: ReproBundle | None = None

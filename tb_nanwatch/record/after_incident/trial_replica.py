@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_nanwatch.record.after_incident.bundle import match_arrays
-from tb_nanwatch.record.after_incident.rewind_points import write_arrays
+from tb_nanwatch.record.after_incident.rewind_file import write_arrays
 
 _CROSSENTROPY = {
     "binary_crossentropy": keras.losses.BinaryCrossentropy,
