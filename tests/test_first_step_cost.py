@@ -15,7 +15,7 @@ from nanwatch_testlib import is_chunk_call, op_types_run, traced_graphs, watched
 from scenarios import fit, origin
 
 import tb_nanwatch
-from tb_nanwatch.record.in_step import step_stats
+from tb_nanwatch.record.in_step import step_vector
 from tb_nanwatch.record.stats import choose, lazy_counts
 from tb_nanwatch.record.stats.backend import in_xla
 from tb_nanwatch.record.stats.choose import for_current_graph
@@ -29,8 +29,8 @@ MLIR_LOWERED = {"IsNan", "IsInf", "IsFinite"}
 def _count_builders(monkeypatch) -> dict:
     built = {"values": 0, "schema_only": 0}
     for cls, key in (
-        (step_stats.StatsBuilder, "values"),
-        (step_stats.SchemaOnlyBuilder, "schema_only"),
+        (step_vector.StatsBuilder, "values"),
+        (step_vector.SchemaOnlyBuilder, "schema_only"),
     ):
         init = cls.__init__
 
@@ -747,7 +747,7 @@ def test_the_builder_turns_taken_extremes_into_floats_all_at_once():
 
     @tf.function(jit_compile=True, autograph=False)
     def vector(*tensors):
-        builder = step_stats.StatsBuilder(for_current_graph())
+        builder = step_vector.StatsBuilder(for_current_graph())
         for i, t in enumerate(tensors):
             fields = builder.stats.tensor_fields([t], taken_extremes=True)
             assert isinstance(fields["min"], TakenExtreme)

@@ -3,7 +3,7 @@
 :func:`build_train_op` does what ``optimizer.minimize(loss)`` does (the
 gradients of the loss, then ``apply_gradients``) and records the step on the
 way, with the statistics TF2 steps use (:mod:`tb_nanwatch.record.stats`,
-:class:`~tb_nanwatch.record.in_step.step_stats.StatsBuilder`, the schema's five
+:class:`~tb_nanwatch.record.in_step.step_vector.StatsBuilder`, the schema's five
 phases in the same order):
 
 * input: each placeholder the loss reads;
@@ -39,7 +39,7 @@ from tb_nanwatch.record.in_step.phase_stats import (
     readers_first,
     watchable_input,
 )
-from tb_nanwatch.record.in_step.step_stats import StatsBuilder
+from tb_nanwatch.record.in_step.step_vector import StatsBuilder
 from tb_nanwatch.record.stats.backend import StatsBackend
 from tb_nanwatch.record.stats.lazy_counts import scalar_total
 

@@ -35,7 +35,7 @@ from tensorflow.python.ops import gen_resource_variable_ops
 
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import Schema
-from tb_nanwatch.record.in_step import step_stats, step_undo
+from tb_nanwatch.record.in_step import step_undo, step_vector
 from tb_nanwatch.record.in_step.batch_ring import BatchRing
 from tb_nanwatch.record.in_step.taps import variable_path
 from tb_nanwatch.record.in_step.unseen_variables import hidden_from_tf_function
@@ -119,7 +119,7 @@ class DeviceRecord:
         """
         batch = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
         self._batch_structure = tf.nest.map_structure(lambda t: None if t is None else 0, data)
-        replicas = step_stats.replicas_in_sync()
+        replicas = step_vector.replicas_in_sync()
         width = 1 + vector_size + replicas
         with self._lock:
             if self._buffer is not None:

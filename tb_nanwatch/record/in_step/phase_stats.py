@@ -99,7 +99,7 @@ def watchable_input(value: Any) -> tuple[tf.Tensor | None, str]:
 
 
 class PhaseStatistics:
-    """Adds each phase's entries to a :class:`~tb_nanwatch.record.in_step.step_stats.StatsBuilder`."""
+    """Adds each phase's entries to a :class:`~tb_nanwatch.record.in_step.step_vector.StatsBuilder`."""
 
     def __init__(self, taps: LayerTaps) -> None:
         self.taps = taps
@@ -114,8 +114,8 @@ class PhaseStatistics:
         gradients (see :meth:`accumulated_header`).
 
         Each entry's fields are given to ``builder`` (a
-        :class:`~tb_nanwatch.record.in_step.step_stats.StatsBuilder`) as a function: a
-        :class:`~tb_nanwatch.record.in_step.step_stats.SchemaOnlyBuilder` never calls it.
+        :class:`~tb_nanwatch.record.in_step.step_vector.StatsBuilder`) as a function: a
+        :class:`~tb_nanwatch.record.in_step.step_vector.SchemaOnlyBuilder` never calls it.
         """
         if builder.records_values:
             grad_fields = builder.stats.gradient_fields_each(inputs.weight_grads)

@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.schema import FIELDS, Schema
-from tb_nanwatch.record.in_step import step_stats, step_undo
+from tb_nanwatch.record.in_step import step_undo, step_vector
 from tb_nanwatch.record.in_step.device_record import DeviceRecord
 from tb_nanwatch.record.in_step.phase_stats import (
     STATS_SCOPE,
@@ -68,7 +68,7 @@ class StepPatternError(Exception):
 class PendingStep:
     """What :meth:`StepRecorder.before_update` hands to ``after_update``."""
 
-    builder: step_stats.StatsBuilder
+    builder: step_vector.StatsBuilder
     batch: list[tf.Tensor]
     gradients: list  # every gradient the statistics read (see readers_first)
     weight_gradients: list  # the weights' gradients (of the latest pass), for the update
@@ -206,7 +206,7 @@ class StepRecorder:
         self.built_for_xla = backend.in_xla()
         accumulating = self.micro_batches > 1
         with tf.name_scope(STATS_SCOPE):
-            made = step_stats.SchemaOnlyBuilder if schema_only else step_stats.StatsBuilder
+            made = step_vector.SchemaOnlyBuilder if schema_only else step_vector.StatsBuilder
             builder = made(stats)
             grad_fields = self.statistics.before_update(
                 inputs, builder, 0 if accumulating else None
@@ -465,6 +465,6 @@ def _pick(index: tf.Tensor, batches: list[list[tf.Tensor]]) -> list[tf.Tensor]:
     return list(picked) if isinstance(picked, (list, tuple)) else [picked]
 
 
-def _vector_size_after_update(builder: step_stats.StatsBuilder, weights: list) -> int:
+def _vector_size_after_update(builder: step_vector.StatsBuilder, weights: list) -> int:
     # Each variable adds one "weights" entry after the update.
     return builder.schema.size + len(FIELDS["weights"]) * len(weights)

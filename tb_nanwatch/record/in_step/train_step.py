@@ -19,7 +19,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from tb_nanwatch.record.in_step import step_stats
+from tb_nanwatch.record.in_step import step_vector
 from tb_nanwatch.record.in_step.device_record import DeviceRecord
 from tb_nanwatch.record.in_step.phase_stats import StepInputs
 from tb_nanwatch.record.in_step.recorder import StepRecorder
@@ -123,9 +123,8 @@ def recorded_train_step(recorder: StepRecorder, data):
         model.optimizer.apply_gradients(zip(grads, weights, strict=False))
     row = None if pending is None else recorder.guarded(recorder.after_update, pending, weights)
     logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    if row is not None and recorder.steps_per_execution == 1 and step_stats.replicas_in_sync() == 1:
-        logs = {**logs, ROW_KEY: row}
-    return logs
+    one_row = recorder.steps_per_execution == 1 and step_vector.replicas_in_sync() == 1
+    return {**logs, ROW_KEY: row} if row is not None and one_row else logs
 
 
 def build_out_of_the_trace(model: keras.Model, y, y_pred) -> None:

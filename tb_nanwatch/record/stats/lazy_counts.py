@@ -5,7 +5,7 @@ and, at trace time, three ops per tensor and kind. A healthy step needs
 neither: every count is 0 there. So a count is a :class:`LazyCount`, a
 promise rather than ops: its source tensors and a *trigger*, one float32
 scalar the entry computes anyway that is non-finite whenever a source holds a
-NaN or an Inf. :meth:`~tb_nanwatch.record.in_step.step_stats.StatsBuilder.vector` has
+NaN or an Inf. :meth:`~tb_nanwatch.record.in_step.step_vector.StatsBuilder.vector` has
 the step's statistics backend (:mod:`tb_nanwatch.record.stats`) compute every
 lazy count at once, only on a step where a trigger is non-finite.
 
