@@ -18,7 +18,7 @@ import keras
 import nanwatch_testlib as lib
 import numpy as np
 import pytest
-from test_trial_fidelity import house_features, normalised_model
+from test_trial_fidelity import fit_normalised_at_a_high_rate, normalised_model
 from test_trial_fidelity import run as run_trials
 
 import tb_nanwatch
@@ -116,12 +116,7 @@ def test_raw_house_prices_first_remedy_is_the_combination_and_following_it_train
 
 
 def test_a_rate_too_high_first_remedy_code_sets_the_rate_the_trial_found(tmp_path):
-    x, y = house_features(256)
-    model = normalised_model(x)
-    model.compile(optimizer=keras.optimizers.SGD(2.0), loss="mse")
-    watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
-    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, callbacks=[watch], verbose=0)
-    assert watch.incident is not None
+    x, y = fit_normalised_at_a_high_rate(tmp_path)
     cause = card(tmp_path)
     first = cause["remedies"][0]
     assert first["id"] == "lower_lr", cause["remedies"]

@@ -69,13 +69,20 @@ def trains(model: keras.Model, x, y, epochs: int = 3) -> bool:
 # -- (a) an adapted Normalization at SGD lr 2.0 ----------------------------------------------
 
 
-def test_a_normalised_model_at_a_high_rate_is_fixed_by_a_lower_rate(tmp_path):
+def fit_normalised_at_a_high_rate(run_dir) -> tuple[np.ndarray, np.ndarray]:
+    """The house features through an adapted Normalization at SGD lr 2.0,
+    watched into ``run_dir`` until its incident; returns the data (x, y)."""
     x, y = house_features(256)
     model = normalised_model(x)
     model.compile(optimizer=keras.optimizers.SGD(2.0), loss="mse")
-    watch = tb_nanwatch.NanWatch(str(tmp_path), trial_budget_s=lib.TRIAL_BUDGET_S)
+    watch = tb_nanwatch.NanWatch(str(run_dir), trial_budget_s=lib.TRIAL_BUDGET_S)
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, callbacks=[watch], verbose=0)
     assert watch.incident is not None
+    return x, y
+
+
+def test_a_normalised_model_at_a_high_rate_is_fixed_by_a_lower_rate(tmp_path):
+    x, y = fit_normalised_at_a_high_rate(tmp_path)
     body = written(tmp_path)
     # The re-run is the user's run: the adapted mean and variance are in it.
     assert body["fidelity"].startswith("the re-run reproduced the recorded losses of steps")
