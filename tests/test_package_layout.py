@@ -307,26 +307,36 @@ def test_no_module_sets_attributes_on_an_object_of_another_modules_class():
     assert found == []
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
 def _private_functions() -> dict[str, set[str]]:
-    """Each module's private functions and methods (``_name``, not dunders)."""
+    """Each module's private names (``_name``, not dunders): its functions,
+    its classes' methods, and its module-level classes and constants."""
     found: dict[str, set[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         names = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef)):
                 names.update(
                     f.name
                     for f in node.body
-                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    and f.name.startswith("_")
-                    and not f.name.startswith("__")
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(f.name)
                 )
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and _private(node.name):
+                names.add(node.name)
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            targets += [node.target] if isinstance(node, ast.AnnAssign) else []
+            names.update(t.id for t in targets if isinstance(t, ast.Name) and _private(t.id))
         found[_dotted(path)] = names
     return found
 
 
 def private_uses_across_modules(source: str, module: str, private: dict[str, set[str]]) -> list:
-    """Where ``source`` reaches a private function of another module: an
+    """Where ``source`` reaches a private name of another module: an
     ``x._name`` (x not ``self``/``cls``) that only another module defines, or
     ``from m import _name``."""
     theirs = set().union(*(n for m, n in private.items() if m != module)) - private.get(

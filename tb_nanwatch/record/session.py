@@ -678,7 +678,7 @@ class WatchSession:
         incident = self.journal.first_nonfinite
         op = origin.to_json()
         incident["op"] = {key: op[key] for key in ("type", "name", "source", "reproduced")}
-        if not origin.reproduced and replay._NO_LOSS in origin.detail:
+        if origin.needs_loss:
             incident["op"]["why"] = replay.NEEDS_LOSS_FN  # a custom loop without loss_fn=
         directory = posixpath.join(self.log_dir, self.journal.repro_bundle)
         kept = replay.output_path(directory)

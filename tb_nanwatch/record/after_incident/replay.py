@@ -87,6 +87,12 @@ class OpOrigin:
         """``{"type", "name", "source", "reproduced"}`` plus phase, layer, detail."""
         return dataclasses.asdict(self)
 
+    @property
+    def needs_loss(self) -> bool:
+        """Not reproduced because no loss was at hand (a custom loop without
+        ``loss_fn=``): the loss and backward phases were not replayed."""
+        return not self.reproduced and _NO_LOSS in self.detail
+
 
 @dataclasses.dataclass
 class _Found:
