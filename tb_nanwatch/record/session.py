@@ -31,15 +31,16 @@ import warnings
 from collections.abc import Callable
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tb_nanwatch.evidence.options import WatchOptions
+from tb_nanwatch.evidence.replica_origin import replica_origin
 from tb_nanwatch.evidence.run_dir_box import is_remote
 from tb_nanwatch.evidence.warning_record import warning_entry, warning_line
 from tb_nanwatch.record.after_incident import (
     bundle,
     follow_up,
+    incident_bundle,
     messages,
     replay,
     rewind_file,
@@ -50,7 +51,6 @@ from tb_nanwatch.record.after_incident.console import CONSOLE
 from tb_nanwatch.record.after_incident.recovery import Recovery
 from tb_nanwatch.record.after_incident.rewind_points import RewindNotTaken, RewindRing, SnapshotDisk
 from tb_nanwatch.record.in_step.recorder import StepRecorder
-from tb_nanwatch.record.in_step.taps import variable_path
 from tb_nanwatch.record.writing import crash_safety
 from tb_nanwatch.record.writing.event_writer import RunWriter
 from tb_nanwatch.record.writing.journal import RunJournal
@@ -336,7 +336,11 @@ class WatchSession:
                 self.epoch,
                 self.batch_in_epoch,
                 vector,
-                extra=self._replica_view(replica_first_nonfinite),
+                extra=replica_origin(
+                    self.recorder.schema,
+                    replica_first_nonfinite,
+                    None if self.worker is None else self.worker.tasks,
+                ),
             )
             self.step += 1
             self.batch_in_epoch += 1
@@ -408,38 +412,6 @@ class WatchSession:
         crash_safety.close_when_call_ends(journal)
         return journal
 
-    def _replica_view(self, replica_first_nonfinite: np.ndarray) -> dict | None:
-        """Which replica went non-finite first (only with several replicas)."""
-        if len(replica_first_nonfinite) <= 1:
-            return None
-        entries = [e for e in self.recorder.schema.entries if e.kind != "header"]
-        ordinals = [round(float(v)) for v in replica_first_nonfinite]
-        origin = min(ordinals)
-        if origin >= len(entries):
-            return None
-        at_origin = [r for r, o in enumerate(ordinals) if o == origin]
-        view = {
-            "replica": at_origin[0],
-            "replicas_at_origin": at_origin,
-            "num_replicas": len(ordinals),
-            "replica_first_nonfinite": [
-                None
-                if o >= len(entries)
-                else {
-                    "phase": entries[o].phase,
-                    "layer": entries[o].layer,
-                    "tensor": entries[o].tensor,
-                }
-                for o in ordinals
-            ],
-        }
-        if self.worker is not None:
-            per_worker = max(len(ordinals) // len(self.worker.tasks), 1)
-            view["worker"] = self.worker.tasks[
-                min(at_origin[0] // per_worker, len(self.worker.tasks) - 1)
-            ]
-        return view
-
     def _bundle_or_warning(self, incident: dict) -> tuple[str, bool] | None:
         """The reproduction bundle's (relative path, exact), or None after a warning."""
         try:
@@ -468,44 +440,17 @@ class WatchSession:
         self._warn_failed(what, error, stacklevel=6)
 
     def _save_bundle(self, incident: dict) -> tuple[str, bool]:
-        """Writes the reproduction bundle (batch, pre-step weights and optimizer
-        state) and the rewind point."""
+        """Writes the rewind point, then the reproduction bundle and the model
+        beside it (for ``tb-nanwatch replay`` elsewhere)."""
         onset = (self.journal.explosion_onset or {}).get("step")
         self._save_rewind_point(incident["step"], None if onset is None else int(onset))
-        weights, batch, structure = self.recorder.device.pre_step_state()
-        optimizer = self.recorder.device.pre_step_optimizer()
-        batch_step, weights_step = self.recorder.device.stashed_steps()
-        names = [variable_path(v) for v in self.recorder.watched_weights]
-        if not weights:
-            weights_step = None
-        if self.options.pre_step_weights == "on_suspect" and incident["phase"] == "update":
-            weights, weights_step = [], None
-        if weights_step is None:
-            optimizer = {}
-        exact = batch_step == incident["step"] and (
-            weights_step is None or weights_step == incident["step"]
+        relative, exact = incident_bundle.save_incident_bundle(
+            self.log_dir,
+            incident,
+            self.recorder,
+            self.options.pre_step_weights,
+            None if self.worker is None else self.worker.name,
         )
-        info = {
-            "weights_before_step": weights_step,  # the bundle layout's key
-            "batch_of_step": batch_step,
-            "exact": exact,
-            "pre_step_weights": self.options.pre_step_weights,
-            "incident": incident,
-            "optimizer": optimizer,  # save_bundle writes it as arrays, not into bundle.json
-        }
-        strategy = self.recorder.strategy
-        if strategy.num_replicas_in_sync > 1:
-            info["batch_shards"] = (
-                f"the shards of this process's replicas, concatenated "
-                f"({len(strategy.extended.worker_devices)} replica(s))"
-            )
-        if self.worker is not None:
-            info["worker"] = self.worker.name
-        weights_by_name = dict(zip(names, weights, strict=False))
-        relative = bundle.save_bundle(
-            self.log_dir, incident["step"], weights_by_name, batch, structure, info
-        )
-        # The model travels with the bundle, for `tb-nanwatch replay` elsewhere.
         bundle.save_model(
             posixpath.join(self.log_dir, relative), self.recorder.model, self.replay_loss
         )
