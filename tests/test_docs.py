@@ -196,3 +196,35 @@ def test_every_cause_and_remedy_is_in_the_reference():
     words = vocabulary()
     assert sorted(set(words["causes"]) - rows) == []
     assert sorted(r for r in words["remedies"] if f"`{r}`" not in page) == []
+
+
+def undescribed_modules(design: str, package: Path) -> list[str]:
+    """The package's modules (paths below ``package``) that ``design``'s
+    module table names neither by their path nor by their folder; an
+    ``__init__.py`` counts only when it holds more than a docstring."""
+    rows = set(re.findall(r"^\| `([^`]+)` \|", design, re.MULTILINE))
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package).as_posix()
+        if path.name == "__init__.py" and len(path.read_text().splitlines()) <= 1:
+            continue
+        folders = {p.as_posix() + "/" for p in Path(relative).parents if p != Path(".")}
+        if relative not in rows and not folders & rows:
+            missing.append(relative)
+    return missing
+
+
+def test_the_design_notes_describe_every_module():
+    design = (DOCS / "design.md").read_text()
+    assert undescribed_modules(design, ROOT / "tb_nanwatch") == []
+
+
+def test_the_module_check_finds_a_module_the_table_does_not_name(tmp_path):
+    (tmp_path / "part").mkdir()
+    (tmp_path / "part" / "named.py").write_text("x = 1\n")
+    (tmp_path / "part" / "new.py").write_text("x = 1\n")
+    (tmp_path / "part" / "__init__.py").write_text("")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "inside.py").write_text("x = 1\n")
+    design = "| module | role |\n|---|---|\n| `part/named.py` | one |\n| `folder/` | all |\n"
+    assert undescribed_modules(design, tmp_path) == ["part/new.py"]
