@@ -294,15 +294,10 @@ class WatchSession:
     def _lr_at(self, step: int) -> float | None:
         """The recorded learning rate of ``step`` (from the flight window), or None."""
         try:
-            steps, window = self.journal.flight_window()
-            column = self.recorder.schema.header_index("lr")
+            value = self.journal.flight_values("lr").get(step)
         except Exception:  # noqa: BLE001 - no rate recorded
             return None
-        for found, vector in zip(steps.tolist(), window, strict=True):
-            if int(found) == step:
-                value = float(vector[column])
-                return value if math.isfinite(value) and value > 0 else None
-        return None
+        return value if value is not None and math.isfinite(value) and value > 0 else None
 
     @property
     def stops_training(self) -> bool:
@@ -593,11 +588,7 @@ class WatchSession:
         rewind point's steps and the journal's flight window (the incident's
         step), which the no-remedy re-run must reproduce."""
         losses = dict(rewind.recorded_losses()) if rewind is not None else {}
-        steps, window = self.journal.flight_window()
-        column = self.recorder.schema.header_index("loss")
-        for step, vector in zip(steps.tolist(), window, strict=True):
-            losses.setdefault(int(step), float(vector[column]))
-        return losses
+        return {**self.journal.flight_values("loss"), **losses}
 
     def _bundle_to_replay(self) -> Callable[[], bundle.ReproBundle] | None:
         """After training: the incident's exact bundle, whose step the replay

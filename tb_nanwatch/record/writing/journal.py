@@ -332,6 +332,14 @@ class RunJournal:
         return self._ring_steps[valid][order], self._ring[valid][order]
 
     @_locked
+    def flight_values(self, name: str) -> dict[int, float]:
+        """The step header's ``name`` (``"loss"``, ``"lr"``, ...) of each step
+        of the flight window, by step (a ValueError when the header has none)."""
+        column = self.schema.header_index(name)
+        steps, window = self.flight_window()
+        return {int(s): float(v[column]) for s, v in zip(steps.tolist(), window, strict=True)}
+
+    @_locked
     def cause(self) -> dict | None:
         """The cause verdict from what is in memory (the flight window, the
         current series chunk, the summary): for the console message at the
