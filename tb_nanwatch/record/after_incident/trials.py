@@ -10,8 +10,8 @@ model and optimizer variable is copied before the trials and restored after
 each trial and at the end: afterwards the model and optimizer hold exactly
 their trained state. Only a change that cannot run on them (the float32
 policy, a loss reading logits) uses a copy of the model, and its setting says
-so. What a trial re-runs (from the bundle or the rewind point) is
-:mod:`~tb_nanwatch.record.after_incident.trial_episodes`'; the outcomes go to
+so. What a trial re-runs (from the bundle or the rewind point) is decided in
+:mod:`~tb_nanwatch.record.after_incident.trial_episodes`; the outcomes go to
 ``repro/trials.json`` (:mod:`~tb_nanwatch.record.after_incident.trials_file`).
 
 **Fidelity before verdicts.** The run without a remedy goes first (the
