@@ -358,19 +358,14 @@ def _trial_input(run_dir: str, saved):
     step (the bundle's, else the explosion's), its explosion line, and the
     bundle ``saved`` and the rewind point to start from."""
     from tb_nanwatch.evidence.options import WatchOptions
-    from tb_nanwatch.record.after_incident import follow_up, rewind_file, trials
+    from tb_nanwatch.record.after_incident import follow_up
+    from tb_nanwatch.record.after_incident.trial_episodes import trial_data_of_run
 
     run = _run_of(run_dir)
     cause, summary = run["cause"], run["summary"]
 
-    def data() -> trials.TrialData:
-        losses = dict(run["losses"])  # the recorded losses the re-run must reproduce
-        if summary.get("rewind_point"):
-            point = rewind_file.load_rewind_point(run_dir)
-            losses.update(point.recorded_losses())
-            return trials.TrialData(saved, rewind=point, recorded_losses=losses)
-        missing = summary.get("rewind_point_not_taken") or "none was saved"
-        return trials.TrialData(saved, rewind_missing=missing, recorded_losses=losses)
+    def data():  # a stranger's rewind point: read within the bundles' limit
+        return trial_data_of_run(run_dir, summary, saved, run["losses"])
 
     options = WatchOptions(explosion_factor=summary.get("explosion_factor", 1e3))
     step = saved.step if saved is not None else (summary.get("explosion") or {}).get("step")

@@ -43,13 +43,13 @@ from tb_nanwatch.record.after_incident import (
     incident_bundle,
     messages,
     replay,
-    rewind_file,
     trial_remedies,
     trials,
 )
 from tb_nanwatch.record.after_incident.console import CONSOLE
 from tb_nanwatch.record.after_incident.recovery import Recovery
 from tb_nanwatch.record.after_incident.rewind_points import RewindNotTaken, RewindRing, SnapshotDisk
+from tb_nanwatch.record.after_incident.trial_episodes import trial_data_of_run
 from tb_nanwatch.record.in_step.recorder import StepRecorder
 from tb_nanwatch.record.writing import crash_safety
 from tb_nanwatch.record.writing.event_writer import RunWriter
@@ -557,38 +557,24 @@ class WatchSession:
         return follow_up.TrialInput(journal.cause(), step, self.options, self.trial_data)
 
     def trial_data(self) -> trials.TrialData:
-        """The bundle, the rewind point (or why none) and the optimizer for the trials."""
-        summary = self.journal.summary()
+        """The bundle, the rewind point (or why none), the recorded losses and
+        the optimizer for the trials."""
         optimizer = getattr(self.recorder, "optimizer", None)
         optimizer = optimizer or getattr(self.recorder.model, "optimizer", None)
-        saved, rewind, missing = None, None, ""
+        saved = None
         if self.journal.repro_bundle:
             saved = bundle.load_bundle(posixpath.join(self.log_dir, self.journal.repro_bundle))
+        losses = self.journal.flight_values("loss")
         if self.options.rewind_every == 0:
             missing = "rewind points are off (rewind_every=0)"
-        elif summary.get("rewind_point"):
-            # This process wrote it, within rewind_disk_mb: not a stranger's
-            # file, so not held to the bundles' byte limit.
-            rewind = rewind_file.load_rewind_point(
-                posixpath.join(self.log_dir, summary["rewind_point"]),
-                max_bytes=int(self.options.rewind_disk_mb * 2**20),
+            return trials.TrialData(
+                saved, rewind_missing=missing, optimizer=optimizer, recorded_losses=losses
             )
-        else:
-            missing = summary.get("rewind_point_not_taken") or "none was saved"
-        return trials.TrialData(
-            bundle=saved,
-            rewind=rewind,
-            rewind_missing=missing,
-            optimizer=optimizer,
-            recorded_losses=self._recorded_losses(rewind),
-        )
-
-    def _recorded_losses(self, rewind) -> dict[int, float]:
-        """The recorded loss of each step the trials may re-run, by step: the
-        rewind point's steps and the journal's flight window (the incident's
-        step), which the no-remedy re-run must reproduce."""
-        losses = dict(rewind.recorded_losses()) if rewind is not None else {}
-        return {**self.journal.flight_values("loss"), **losses}
+        # This process wrote the rewind point, within rewind_disk_mb: not a
+        # stranger's file, so not held to the bundles' byte limit.
+        disk = int(self.options.rewind_disk_mb * 2**20)
+        summary = self.journal.summary()
+        return trial_data_of_run(self.log_dir, summary, saved, losses, optimizer, disk)
 
     def _bundle_to_replay(self) -> Callable[[], bundle.ReproBundle] | None:
         """After training: the incident's exact bundle, whose step the replay

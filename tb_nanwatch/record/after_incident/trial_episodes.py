@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_nanwatch.record.after_incident.bundle import ReproBundle, rebuild_batch
+from tb_nanwatch.record.after_incident.rewind_file import load_rewind_point
 from tb_nanwatch.record.after_incident.trial_replica import Start, TrialSkipped, inner_optimizer
 
 # Causes that grew over many steps: their trials start from a rewind point.
@@ -51,6 +52,31 @@ class TrialData:
     # series): the no-remedy re-run is checked against it. None: not given,
     # the re-run is not checked (said in the plan).
     recorded_losses: dict[int, float] | None = None
+
+
+def trial_data_of_run(
+    run_dir: str,
+    summary: dict,
+    saved: ReproBundle | None,
+    losses: dict[int, float],
+    optimizer: Any = None,
+    max_bytes: int | None = None,
+) -> TrialData:
+    """What the trials of the run written in ``run_dir`` start from: the
+    bundle ``saved``, the rewind point its run ``summary`` names (its arrays
+    read within ``max_bytes``, by default the bundles' limit) or why there is
+    none, and the recorded ``losses`` by step (the rewind point's own for its
+    steps), which the no-remedy re-run must reproduce."""
+    if summary.get("rewind_point"):
+        point = load_rewind_point(run_dir, max_bytes)
+        return TrialData(
+            saved,
+            rewind=point,
+            optimizer=optimizer,
+            recorded_losses={**losses, **point.recorded_losses()},
+        )
+    missing = summary.get("rewind_point_not_taken") or "none was saved"
+    return TrialData(saved, rewind_missing=missing, optimizer=optimizer, recorded_losses=losses)
 
 
 @dataclasses.dataclass
