@@ -3,6 +3,9 @@ named in the run summary's ``not_watched``, and a NaN made later is found."""
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -15,8 +18,25 @@ BATCH, STEPS, NAN_STEP = 8, 8, 5
 def _fit(model, x, y, tmp_path) -> tb_nanwatch.NanWatch:
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     watch = tb_nanwatch.NanWatch(str(tmp_path / "run"), on_nonfinite="stop", flush_secs=1e9)
-    model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0, callbacks=[watch])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0, callbacks=[watch])
+    watch.nanwatch_warnings = [str(w.message) for w in caught if "NanWatch" in str(w.message)]
     return watch
+
+
+def assert_said_the_batch_is_not_kept_whole(watch, tmp_path, kind: str) -> None:
+    """A sparse or ragged batch: the bundle and the trials say it is not held
+    whole (never a failure to load its own bundle), and the only warning is
+    that no rewind points are kept, with why."""
+    why = f"the batch holds a {kind}, which is not kept (dense tensors only)"
+    assert watch.nanwatch_warnings == [f"NanWatch keeps no rewind points: {why}"]
+    run = tmp_path / "run"
+    saved = tb_nanwatch.load_bundle(str(run / watch.journal.repro_bundle))
+    assert saved.info["batch_incomplete"] == why
+    trials = json.loads((run / "repro" / "trials.json").read_text())["trials"]
+    assert trials and {t["outcome"] for t in trials} == {"not_tried"}, trials
+    assert all(f"the bundle does not hold the whole batch: {why}" in t["why"] for t in trials)
 
 
 def _targets() -> np.ndarray:
@@ -63,6 +83,7 @@ def test_sparse_input_is_recorded_by_its_values(tmp_path):
     incident = watch.incident
     assert (incident["step"], incident["phase"], incident["layer"]) == (NAN_STEP, "input", "counts")
     assert "not_watched" not in watch.journal.summary()
+    assert_said_the_batch_is_not_kept_whole(watch, tmp_path, "SparseTensor")
 
 
 def test_ragged_input_is_recorded_by_its_values(tmp_path):
@@ -79,3 +100,22 @@ def test_ragged_input_is_recorded_by_its_values(tmp_path):
         "input",
         "lengths",
     )
+    assert_said_the_batch_is_not_kept_whole(watch, tmp_path, "RaggedTensor")
+
+
+def test_a_replay_of_a_bundle_without_its_whole_batch_says_so():
+    from tb_nanwatch.record.after_incident.bundle import ReproBundle
+    from tb_nanwatch.record.after_incident.replay import replay_step
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    weights = {v.path: v.numpy() for v in model.weights}
+    why = "the batch holds a SparseTensor, which is not kept (dense tensors only)"
+    info = {"incident": {"phase": "forward", "step": 3}, "batch_incomplete": why}
+    saved = ReproBundle(3, [None, np.ones((2, 1), "float32")], weights, info)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert replay_step(model, saved) is None
+    said = [str(w.message) for w in caught]
+    assert said == [
+        f"NanWatch could not replay step 3: ValueError('the bundle does not hold the whole batch: {why}')"
+    ]

@@ -55,6 +55,8 @@ def save_incident_bundle(
         )
     if worker is not None:
         info["worker"] = worker
+    if device.batch_not_kept_why is not None:
+        info["batch_incomplete"] = device.batch_not_kept_why
     weights_by_name = dict(zip(names, weights, strict=False))
     relative = bundle.save_bundle(
         log_dir, incident["step"], weights_by_name, batch, structure, info

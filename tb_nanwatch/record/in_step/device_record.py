@@ -59,6 +59,8 @@ class DeviceRecord:
         self._step_count: tf.Variable | None = None
         self._batch_stash: list | None = None
         self._batch_structure: Any = None
+        # Why the batch is not kept whole (a sparse or ragged part), None when it is.
+        self.batch_not_kept_why: str | None = None
         self._batch_of: tf.Variable | None = None
         self._pre_step_copies: list[tf.Variable] | None = None
         self._pre_step_copies_of: tf.Variable | None = None
@@ -118,7 +120,10 @@ class DeviceRecord:
         statistics backend (whether the copies may start empty).
         """
         batch = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
-        self._batch_structure = tf.nest.map_structure(lambda t: None if t is None else 0, data)
+        self._batch_structure = tf.nest.map_structure(
+            lambda t: 0 if isinstance(t, tf.Tensor) else None, data
+        )
+        self.batch_not_kept_why = _not_kept_why(data)
         replicas = step_vector.replicas_in_sync()
         width = 1 + vector_size + replicas
         with self._lock:
@@ -147,7 +152,9 @@ class DeviceRecord:
         self._incident_captured = _local_variable(tf.constant(False), "nanwatch_incident_captured")
         self._batch_stash = [_stash_variable(t, growable) for t in batch]
         self.watched_weights = list(weights)
-        if self.ring is not None:
+        if self.ring is not None and self.batch_not_kept_why is not None:
+            self.ring.not_kept_why = self.batch_not_kept_why
+        elif self.ring is not None:
             self.ring.create(batch, growable, _local_variable)
         if self.pre_step_weights != "off":
             self._pre_step_copies = [_weight_copy(v, growable) for v in weights]
@@ -502,3 +509,13 @@ def _unstash(slot) -> np.ndarray | None:
             return value
         shards.append(value[: int(n.numpy())])
     return shards[0] if len(shards) == 1 else np.concatenate(shards, 0)
+
+
+def _not_kept_why(data) -> str | None:
+    """Why a batch cannot be kept whole: its sparse or ragged parts (only
+    dense tensors are stashed), None when every part is a dense tensor."""
+    leaves = tf.nest.flatten(data)
+    kinds = sorted({type(t).__name__ for t in leaves if not isinstance(t, (tf.Tensor, type(None)))})
+    if not kinds:
+        return None
+    return f"the batch holds a {' and a '.join(kinds)}, which is not kept (dense tensors only)"
