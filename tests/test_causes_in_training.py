@@ -71,7 +71,7 @@ def test_a_nan_row_in_a_pretrained_embedding_is_nonfinite_weights(tmp_path):
     assert table.path in cause["evidence"]["variables"]
 
 
-def test_an_all_masked_softmax_row_is_forward_math(tmp_path):
+def test_an_all_masked_softmax_row_is_forward_math(tmp_path, recwarn):
     @keras.saving.register_keras_serializable("test_causes_in_training")
     class MaskedSoftmax(keras.layers.Layer):
         def call(self, x):
@@ -88,6 +88,9 @@ def test_an_all_masked_softmax_row_is_forward_math(tmp_path):
     watch = _fit(model, x, y, tmp_path / "run", keras.optimizers.SGD(0.01))
     assert (watch.incident["step"], watch.incident["layer"]) == (4, "attend")
     assert _cause(tmp_path)["id"] == "forward_math"
+    # The replay names the masking op (the -inf it writes), with no warning on the way.
+    assert watch.incident["op"]["type"] == "SelectV2", watch.incident["op"]
+    assert [str(w.message) for w in recwarn if "NanWatch" in str(w.message)] == []
 
 
 @pytest.fixture

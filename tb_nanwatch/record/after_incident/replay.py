@@ -428,7 +428,10 @@ def _failing_graph_op(step: _Step) -> tf.Operation | None:
             match = _GRAPH_NODE.search(str(error))
             if match is None:
                 return None
-            return concrete.graph.get_operation_by_name(match.group(1))
+            try:
+                return concrete.graph.get_operation_by_name(match.group(1))
+            except KeyError:  # the check names a scope, not an op (a constant's check)
+                return None
     return None
 
 
