@@ -126,7 +126,7 @@ def test_custom_train_step_under_fit_with_the_watcher_callback(tmp_path):
 
     model, kwargs, truth = scenarios.frozen_norm()
     inner = model
-    model = OwnStep(inner.inputs, inner.outputs, name="own_step")
+    model = OwnStep(inner.inputs[0], inner.outputs[0], name="own_step")
     model.compile(optimizer=keras.optimizers.SGD(0.01))
     model.optimizer.build(model.trainable_variables)
     watcher = tb_nanwatch.StepWatcher(str(tmp_path), model, model.optimizer)
