@@ -52,6 +52,10 @@ class BatchRing:
 
     # -- creation and the compiled step ---------------------------------------------
 
+    def keep_none(self, why: str) -> None:
+        """Leaves the ring uncreated: its batches cannot be kept (``why``)."""
+        self.not_kept_why = why
+
     def create(self, batch: list[tf.Tensor], growable: bool, local_variable) -> None:
         """Creates the variables (eagerly, under ``tf.init_scope``).
 

@@ -153,7 +153,7 @@ class DeviceRecord:
         self._batch_stash = [_stash_variable(t, growable) for t in batch]
         self.watched_weights = list(weights)
         if self.ring is not None and self.batch_not_kept_why is not None:
-            self.ring.not_kept_why = self.batch_not_kept_why
+            self.ring.keep_none(self.batch_not_kept_why)
         elif self.ring is not None:
             self.ring.create(batch, growable, _local_variable)
         if self.pre_step_weights != "off":
