@@ -231,9 +231,7 @@ def local_bundle_file(logdir: str, run: str, summary: dict, name: str) -> str:
 
 
 def _is_step(value: object) -> bool:
-    return (
-        isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= metadata.MAX_STEP
-    )
+    return limits.count(value, metadata.MAX_STEP) is not None
 
 
 def _check_event(event: dict | None, key: str, fields: dict, layer_types) -> None:

@@ -53,6 +53,14 @@ class LimitError(ValueError):
     """What a file declares is beyond a limit (one line)."""
 
 
+def count(value: object, most: int | None = None) -> int | None:
+    """``value`` when a run dir's JSON gives a count there (an integer, not a
+    bool, from 0 to ``most``), else None."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value if most is None or value <= most else None
+
+
 def max_bundle_bytes() -> int:
     """:data:`MAX_BUNDLE_BYTES`, or ``TB_NANWATCH_MAX_BUNDLE_MB`` megabytes when set."""
     value = os.environ.get(BUNDLE_LIMIT_VARIABLE, "")

@@ -14,16 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from tb_nanwatch.evidence.limits import count
+
 # At most this many recoveries and skipped steps are read from a summary.
 MAX_RECOVERIES = 1000
 MAX_SKIPPED = 10_000
 MAX_TEXT = 500
-
-
-def _step(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return None
-    return value
 
 
 def _text(value: object) -> str:
@@ -48,7 +44,7 @@ def recoveries(summary: dict) -> list[dict]:
 def _recovery(entry: object) -> dict | None:
     if not isinstance(entry, dict):
         return None
-    fields = {k: _step(entry.get(k)) for k in ("step", "rewound_to", "skipped_batches")}
+    fields = {k: count(entry.get(k)) for k in ("step", "rewound_to", "skipped_batches")}
     remedy = entry.get("remedy")
     if any(v is None for v in fields.values()) or not isinstance(remedy, dict):
         return None
@@ -56,7 +52,7 @@ def _recovery(entry: object) -> dict | None:
         **fields,
         "remedy": {"id": _text(remedy.get("id")), "setting": _text(remedy.get("setting"))},
     }
-    onset = _step(entry.get("onset"))
+    onset = count(entry.get("onset"))
     if onset is not None:
         parsed["onset"] = onset
     return parsed
@@ -67,13 +63,13 @@ def skipped_nonfinite_steps(summary: dict) -> list[int]:
     steps = summary.get("skipped_nonfinite_steps") if isinstance(summary, dict) else None
     if not isinstance(steps, list):
         return []
-    return [s for s in steps[:MAX_SKIPPED] if _step(s) is not None]
+    return [s for s in steps[:MAX_SKIPPED] if count(s) is not None]
 
 
 def _note(summary: dict, key: str) -> dict | None:
     """``{"step", "why"}`` under ``key`` (skip_fallback, recovery_stopped), or None."""
     note = summary.get(key) if isinstance(summary, dict) else None
-    if not isinstance(note, dict) or _step(note.get("step")) is None:
+    if not isinstance(note, dict) or count(note.get("step")) is None:
         return None
     return {"step": note["step"], "why": _text(note.get("why"))}
 

@@ -11,17 +11,12 @@ every string printable. Pure Python.
 from __future__ import annotations
 
 from tb_nanwatch.evidence.early_warnings import KINDS
+from tb_nanwatch.evidence.limits import count
 from tb_nanwatch.evidence.printable import printable
 
 MAX_WARNINGS = 20
 MAX_EVIDENCE = 16
 MAX_TEXT = 500
-
-
-def _step(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        return None
-    return value
 
 
 def _scalar(value: object) -> object:
@@ -50,7 +45,7 @@ def warnings_of(summary: object) -> list[dict]:
 def warning_entry(entry: object) -> dict | None:
     if not isinstance(entry, dict) or entry.get("kind") not in KINDS:
         return None
-    step = _step(entry.get("step"))
+    step = count(entry.get("step"))
     if step is None:
         return None
     raw_evidence = entry.get("evidence")
@@ -63,7 +58,7 @@ def warning_entry(entry: object) -> dict | None:
     return {
         "step": step,
         "kind": entry["kind"],
-        "predicted_step": _step(entry.get("predicted_step")),
+        "predicted_step": count(entry.get("predicted_step")),
         "message": printable(message[:MAX_TEXT]) if isinstance(message, str) else "",
         "evidence": evidence,
         "outlived": outlived if isinstance(outlived, bool) else None,

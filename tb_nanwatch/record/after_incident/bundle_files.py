@@ -117,9 +117,9 @@ def read_meta(directory: str) -> dict:
     and within the limits (batch parts, names)."""
     meta = read_json(directory)
     step, size = meta.get("step"), meta.get("batch_size")
-    if not _is_count(step, 2**53):
+    if limits.count(step, 2**53) is None:
         raise ValueError(f"bundle.json: step {step!r} is not a step")
-    if not _is_count(size, limits.MAX_BATCH_PARTS):
+    if limits.count(size, limits.MAX_BATCH_PARTS) is None:
         raise limits.LimitError(
             f"bundle.json: batch_size {size!r} is not a count up to {limits.MAX_BATCH_PARTS}"
         )
@@ -131,10 +131,6 @@ def read_meta(directory: str) -> dict:
     if leaves > size:
         raise ValueError(f"bundle.json: batch_structure has {leaves} parts, batch_size {size}")
     return meta
-
-
-def _is_count(value: object, most: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most
 
 
 def _leaves(structure: Any) -> int:

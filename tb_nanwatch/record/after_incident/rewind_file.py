@@ -189,10 +189,6 @@ def _read_rates(values: object, steps: int) -> list[float | None]:
     return [float(v) if isinstance(v, number) and not isinstance(v, bool) else None for v in values]
 
 
-def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _declared_arrays(meta: object, max_bytes: int) -> dict[str, tuple[np.dtype, tuple, int]]:
     """Each array's (dtype, shape, bytes) as ``rewind.json`` declares them;
     a ValueError for a malformed or oversized declaration. The counts are
@@ -201,7 +197,8 @@ def _declared_arrays(meta: object, max_bytes: int) -> dict[str, tuple[np.dtype, 
         raise ValueError("not a rewind point of a known format")
     steps, width = meta.get("steps"), meta.get("batch_size")
     names = (meta.get("weights"), meta.get("optimizer"))
-    if not (_count(steps) and _count(width) and _count(meta.get("step"))) or not all(
+    counts = (steps, width, meta.get("step"))
+    if any(limits.count(v) is None for v in counts) or not all(
         isinstance(n, list) and all(isinstance(p, str) for p in n) for n in names
     ):
         raise ValueError("rewind.json: malformed step, steps, batch_size, weights or optimizer")
@@ -239,7 +236,7 @@ def _declaration(key: str, declaration: object) -> tuple[np.dtype, tuple]:
         dtype, shape = np.dtype(declaration[0]), tuple(declaration[1])
     except (TypeError, ValueError, IndexError, KeyError):
         raise ValueError(f"rewind.json: array {key} has a malformed declaration") from None
-    if dtype.hasobject or not all(_count(d) for d in shape) or len(shape) > 32:
+    if dtype.hasobject or any(limits.count(d) is None for d in shape) or len(shape) > 32:
         raise ValueError(f"rewind.json: array {key} has a bad dtype or shape")
     return dtype, shape
 
