@@ -63,6 +63,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tb_nanwatch.evidence.remedies import NORMALIZING_LAYERS
+
 KINDS = (
     "schedule_jump",
     "probabilities_expected",
@@ -88,12 +90,8 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 BFLOAT16_MAX = 3.3895313892515355e38
 
 # First layers that bring raw inputs to unit scale, or read them as ids.
-SCALING_LAYERS = frozenset(
+SCALING_LAYERS = NORMALIZING_LAYERS | frozenset(
     {
-        "Normalization",
-        "Rescaling",
-        "BatchNormalization",
-        "LayerNormalization",
         "Embedding",
         "CategoryEncoding",
         "IntegerLookup",

@@ -123,9 +123,10 @@ def read_json_bounded(
     anything else (a FIFO, a device) is refused unread, never waited on."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     with os.fdopen(os.open(path, flags), "rb") as infile:
-        if not stat.S_ISREG(os.fstat(infile.fileno()).st_mode):
+        info = os.fstat(infile.fileno())
+        if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{what} is not a regular file: not read")
-        size = os.fstat(infile.fileno()).st_size
+        size = info.st_size
         if size > max_bytes:
             raise LimitError(
                 f"{what} is {size / MB:.1f} MB, more than the {max_bytes / MB:g} MB limit"

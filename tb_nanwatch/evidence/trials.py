@@ -16,6 +16,8 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
+from tb_nanwatch.evidence.limits import count
+
 TRIALS_FILE = "trials.json"  # in the run dir's repro/ folder
 TRIALS_PATH = f"repro/{TRIALS_FILE}"  # relative to the run dir
 TRIALS_VERSION = 1
@@ -98,7 +100,7 @@ class Trial:
 MALFORMED = "malformed entry in trials.json"
 # Each field's check; an absent field (an older file) is its default.
 _FIELDS = {
-    "steps": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53,
+    "steps": lambda v: count(v, 2**53 - 1) is not None,
     "setting": lambda v: v is None or isinstance(v, str),
     "why": lambda v: v is None or isinstance(v, str),
     "loss_first": lambda v: v is None or _number(v) is not None,

@@ -21,11 +21,7 @@ MAX_TEXT = 500
 
 def _scalar(value: object) -> object:
     """A JSON scalar kept (text made printable and bounded), else None."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
+    if value is None or isinstance(value, (bool, int, float)):
         return value  # NaN and Inf are evidence: kept
     if isinstance(value, str):
         return printable(value[:MAX_TEXT])
@@ -63,12 +59,6 @@ def warning_entry(entry: object) -> dict | None:
         "evidence": evidence,
         "outlived": outlived if isinstance(outlived, bool) else None,
     }
-
-
-def lead_time(entry: dict) -> int | None:
-    """Steps from the warning to its predicted step (None: no prediction)."""
-    predicted = entry.get("predicted_step")
-    return None if predicted is None else predicted - entry["step"]
 
 
 def warning_line(entry: dict) -> str:

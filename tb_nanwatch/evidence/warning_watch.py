@@ -35,8 +35,8 @@ class _Signals:
         names, limits = ["loss", "global gradient norm"], [rules.FLOAT32_MAX] * 2
         self.header = np.array([schema.header_index("loss"), schema.header_index("grad_norm")])
         watched = schema.find("forward", "activation") + schema.find("forward", "logits")
-        self.low = np.array([e.index("min") for e in watched], np.intp)
-        self.high = np.array([e.index("max") for e in watched], np.intp)
+        self.low = np.array(schema.indices(watched, "min"), np.intp)
+        self.high = np.array(schema.indices(watched, "max"), np.intp)
         for entry in watched:
             if entry.kind == "logits" and rules.exp_limited(
                 loss_name, entry.before_final_activation
@@ -85,7 +85,7 @@ class EarlyWarnings:
         self._logs = np.full((rules.WINDOW, len(self._signals.names)), np.nan)
         self._scale_index = schema.header_index("loss_scale")
         backward = schema.find(phase="backward")
-        self._gradient_nan = np.array([e.index("nan") for e in backward], np.intp)
+        self._gradient_nan = np.array(schema.indices(backward, "nan"), np.intp)
 
     def _fail(self, error: Exception) -> None:
         self._failed = True

@@ -19,7 +19,11 @@ import tensorflow as tf
 
 from tb_nanwatch.evidence.options import WatchOptions
 from tb_nanwatch.evidence.remedies import NORMALIZING_LAYERS, loss_name
-from tb_nanwatch.record.after_incident.trial_replica import model_outputs, output_units
+from tb_nanwatch.record.after_incident.trial_replica import (
+    inner_optimizer,
+    model_outputs,
+    output_units,
+)
 from tb_nanwatch.record.in_step import io_names
 from tb_nanwatch.record.in_step.recorder import StepRecorder
 from tb_nanwatch.record.in_step.taps import variable_path
@@ -63,7 +67,7 @@ def _model_facts(model, optimizer) -> dict:
         attention = any(
             "attention" in base.__name__.lower() for layer in layers for base in type(layer).__mro__
         )
-        inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
+        inner = inner_optimizer(optimizer)
         settings = {name: _setting(inner, name) for name in OPTIMIZER_SETTINGS}
         return {
             "layer_classes": sorted(classes)[:MAX_LAYER_CLASSES],

@@ -264,15 +264,18 @@ class WatchSession:
         (the journal raises at most one a kind a run). Never raises."""
         if self.journal is None:
             return
+        fresh = self.journal.early_warnings.take_fresh()
         try:
-            for found in self.journal.early_warnings.take_fresh():
+            for found in fresh:
                 CONSOLE.lines(f"NanWatch {warning_line(warning_entry(found))}")
-                foreseen = found.get("predicted_step")
-                rewinds = self.rewind is not None and self.options.on_nonfinite == "rewind"
-                if rewinds and foreseen is not None and found["kind"] in REWIND_BEFORE:
-                    self.rewind.expect_trouble(foreseen)
         except Exception as error:  # noqa: BLE001 - the message must not fail
             warnings.warn(f"NanWatch could not print an early warning: {error!r}", stacklevel=3)
+        # A rewind point just before a foreseen trouble, whether or not its line printed.
+        if self.rewind is not None and self.options.on_nonfinite == "rewind":
+            for found in fresh:
+                foreseen = found.get("predicted_step")
+                if foreseen is not None and found.get("kind") in REWIND_BEFORE:
+                    self.rewind.expect_trouble(foreseen)
 
     def _announce_explosion(self) -> None:
         """One console block, once a run, when the journal confirmed an
@@ -565,15 +568,12 @@ class WatchSession:
         if self.journal.repro_bundle:
             saved = bundle.load_bundle(posixpath.join(self.log_dir, self.journal.repro_bundle))
         losses = self.journal.flight_values("loss")
+        summary = self.journal.summary()
         if self.options.rewind_every == 0:
-            missing = "rewind points are off (rewind_every=0)"
-            return trials.TrialData(
-                saved, rewind_missing=missing, optimizer=optimizer, recorded_losses=losses
-            )
+            summary = {"rewind_point_not_taken": "rewind points are off (rewind_every=0)"}
         # This process wrote the rewind point, within rewind_disk_mb: not a
         # stranger's file, so not held to the bundles' byte limit.
         disk = int(self.options.rewind_disk_mb * 2**20)
-        summary = self.journal.summary()
         return trial_data_of_run(self.log_dir, summary, saved, losses, optimizer, disk)
 
     def _bundle_to_replay(self) -> Callable[[], bundle.ReproBundle] | None:

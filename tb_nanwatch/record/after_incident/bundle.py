@@ -134,6 +134,13 @@ class ReproBundle:
         return self.batch[0] if isinstance(self.batch, list) else self.batch
 
     @property
+    def incomplete_why(self) -> str | None:
+        """Why the bundle cannot re-run its step (its batch is not held whole:
+        a sparse or ragged part), None when it can."""
+        why = self.info.get("batch_incomplete")
+        return f"the bundle does not hold the whole batch: {why}" if why else None
+
+    @property
     def y(self) -> Any:
         return self.batch[1] if isinstance(self.batch, list) and len(self.batch) > 1 else None
 

@@ -191,10 +191,8 @@ def _replay(model: keras.Model, bundle: ReproBundle, loss_fn: LossFn | None) -> 
     incident = bundle.info.get("incident") or {}
     if incident.get("phase") in ("input", "update"):
         return None  # no op to name / the optimizer state is not in the bundle
-    if bundle.info.get("batch_incomplete"):
-        raise ValueError(
-            f"the bundle does not hold the whole batch: {bundle.info['batch_incomplete']}"
-        )
+    if bundle.incomplete_why:
+        raise ValueError(bundle.incomplete_why)
     if not all(np.isfinite(a).all() for a in tf.nest.flatten(bundle.batch) if _is_float(a)):
         return None
     if not bundle.weights:

@@ -157,10 +157,8 @@ def _from_bundle(cause: dict, data: TrialData, config: dict) -> Episode:
             "the bundle holds no weights from before the step (pre_step_weights='off', or "
             "'on_suspect' for an update-phase incident)"
         )
-    if saved.info.get("batch_incomplete"):
-        raise TrialSkipped(
-            f"the bundle does not hold the whole batch: {saved.info['batch_incomplete']}"
-        )
+    if saved.incomplete_why:
+        raise TrialSkipped(saved.incomplete_why)
     if not saved.info.get("exact", True):
         raise TrialSkipped("the bundle is not exact: its batch or weights are not the step's")
     batch = saved.batch if isinstance(saved.batch, list) else [saved.batch]

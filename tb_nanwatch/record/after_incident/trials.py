@@ -322,14 +322,13 @@ class _Runner:
         remedy is ``cannot_verify``) and fail for a trial to tell a fix."""
         result = self.attempt("none", Variant())
         if result.outcome != "not_tried":
-            losses = list(self._losses)
+            losses = self._losses  # attempt() binds a new list: the probe leaves this one
             found = self.compare(losses, recorded)
             if found.diverged and found.first_step_matched:
                 found = self.compare(losses, recorded, self._rounding_spread(losses))
             self.fidelity = found.line
             if found.diverged:
                 result = dataclasses.replace(result, outcome="cannot_verify", why=found.why)
-            self._losses = losses
         text = evidence_trials.trial_text(result)
         fidelity = f"; {self.fidelity}" if self.fidelity else ""
         say(f"NanWatch trials: {self.episode.description}; as recorded: {text}{fidelity}")

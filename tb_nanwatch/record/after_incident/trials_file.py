@@ -8,31 +8,16 @@ from __future__ import annotations
 
 import json
 import posixpath
-from collections.abc import Iterator
-from typing import Protocol
 
 import tensorflow as tf
 
 from tb_nanwatch.evidence import run_dir_box
-from tb_nanwatch.evidence.trials import MAX_TRIALS_BYTES, TRIALS_FILE, TRIALS_VERSION, Trial
+from tb_nanwatch.evidence.trials import MAX_TRIALS_BYTES, TRIALS_FILE, TRIALS_VERSION
 from tb_nanwatch.record.after_incident.bundle import BUNDLE_DIR
+from tb_nanwatch.record.after_incident.trials import TrialList
 
 
-class TrialsRun(Protocol):
-    """What the file holds of one run of the trials (``trials.TrialList``):
-    the trials, the baseline (the run without a remedy), what was re-run
-    (``plan``), whether it reproduced the recorded run (``fidelity``) and how
-    its steps were compiled."""
-
-    baseline: Trial | None
-    plan: str
-    fidelity: str
-    compiled: str
-
-    def __iter__(self) -> Iterator[Trial]: ...
-
-
-def write_trials(run_dir: str, step: int, cause: dict, trials: TrialsRun) -> str:
+def write_trials(run_dir: str, step: int, cause: dict, trials: TrialList) -> str:
     """Writes ``<run dir>/repro/trials.json``; returns its path.
 
     Never through a symlink, never outside the run dir, and never over a file

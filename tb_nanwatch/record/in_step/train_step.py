@@ -89,8 +89,11 @@ def recorded_train_step(recorder: StepRecorder, data):
                 loss = model._compute_loss(
                     x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
                 )
+            # Under a strategy Keras divides each replica's loss by the replicas in
+            # sync (for the gradients' sum); the record holds the loss Keras reports.
+            reported = loss_module.unscale_loss_for_distribution(loss)
             model._loss_tracker.update_state(
-                loss_module.unscale_loss_for_distribution(loss),
+                reported,
                 sample_weight=tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0],
             )
             scaled_loss = model.optimizer.scale_loss(loss) if model.optimizer is not None else loss
@@ -100,9 +103,6 @@ def recorded_train_step(recorder: StepRecorder, data):
             grads = all_grads[: len(weights)]
         else:
             all_grads, grads = [], []
-    # Under a strategy Keras divides each replica's loss by the replicas in
-    # sync (for the gradients' sum); the record holds the loss Keras reports.
-    reported = loss_module.unscale_loss_for_distribution(loss)
     inputs = StepInputs(
         trace,
         x,

@@ -79,7 +79,7 @@ def _stale(run_dir: str) -> bool:
 def take_lock(run_dir: str) -> bool:
     """Creates ``run_dir``'s lock file for this process; False when another
     writer holds it. Remote dirs have no exclusive create: always True."""
-    if "://" in run_dir:
+    if run_dir_box.is_remote(run_dir):
         return True
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, LOCK_FILE)
@@ -109,7 +109,7 @@ def _free(candidate: str, log_dir: str) -> bool:
 def _planted(candidate: str) -> bool:
     """Whether a ``run_<N>`` is there as something other than a directory of
     its own (a file, a FIFO, a symlink): taken, never followed."""
-    if "://" in candidate:
+    if run_dir_box.is_remote(candidate):
         return False
     try:
         mode = os.lstat(candidate).st_mode
