@@ -156,12 +156,12 @@ def run_trials(
                 runner = _from_rewind_instead(runner, model, cause, data, options, say)
                 trials.baseline, trials.plan = runner.baseline_trial, runner.episode.description
             trials.fidelity = runner.fidelity
-            trials.compiled = ", ".join(sorted(runner.compiled))
             for number, remedy in enumerate(ids, 1):
                 for done in runner.tried(remedy, cause, trials.baseline):
                     trials.append(done)
                     text = evidence_trials.trial_text(done)
                     say(f"NanWatch trial {number}/{len(ids)}: {done.remedy}: {text}")
+            trials.compiled = ", ".join(sorted(runner.compiled))  # every re-run's, remedies' too
     finally:
         trained.restore()  # the user's model and optimizer exactly as trained
         trained.close()
