@@ -333,7 +333,7 @@ def headline(run: reader.Run) -> str:
     incident = summary.get("first_nonfinite")
     explosion = summary.get("explosion")
     if incident:
-        kind = diagnosis.KIND_TEXT.get(str(incident.get("kind")), str(incident.get("kind")))
+        kind = _kind_text(incident)
         phase = f", born in the {incident['phase']} phase" if incident.get("phase") else ""
         layer = f" at layer {incident['layer']}" if incident.get("layer") else ""
         return f"First {kind} at step {incident['step']}{phase}{layer}"
@@ -361,7 +361,7 @@ def _details(run: reader.Run) -> list[str]:
     explosion = summary.get("explosion")
     lines = []
     if incident:
-        kind = diagnosis.KIND_TEXT.get(str(incident.get("kind")), str(incident.get("kind")))
+        kind = _kind_text(incident)
         where = f"layer {incident['layer']}" if incident.get("layer") else "no layer"
         lines.append(
             f"  first non-finite: {kind} at step {incident['step']} "
@@ -401,3 +401,9 @@ def format_run(
     for hint in run_hints or []:
         lines.append(f"  hint: {hint['title']}: {hint['text']}")
     return printable_lines(lines)  # names come from the run dir: no control character
+
+
+def _kind_text(incident: dict) -> str:
+    """The incident's kind in words ("NaN", "Inf", ...), else as recorded."""
+    kind = str(incident.get("kind"))
+    return diagnosis.KIND_TEXT.get(kind, kind)
