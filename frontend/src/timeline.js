@@ -207,18 +207,7 @@ export function createTimeline(container, opts) {
     marksStrip.dataset.drawn = key;
     clear(marksStrip);
     const spans = lines.map((line) => el("span", { class: `mark-label mark-label-${line.kind}`, data: { mark: line.kind, step: line.step }, text: line.text }));
-    marksStrip.append(...spans);
-    const placed = placeLabels(
-      lines.map((line, i) => ({ x: line.x, width: spans[i].offsetWidth })),
-      marksStrip.clientWidth,
-    );
-    const rowHeight = 16;
-    placed.forEach(({ left, row }, i) => {
-      spans[i].style.left = `${left}px`;
-      spans[i].style.top = `${row * rowHeight}px`;
-    });
-    const rows = placed.length ? Math.max(...placed.map((p) => p.row)) + 1 : 1;
-    marksStrip.style.height = `${rows * rowHeight}px`;
+    placeInRows(marksStrip, spans, lines.map((line) => line.x), { rowHeight: 16, emptyRows: 1 });
   }
 
   /**
@@ -236,18 +225,27 @@ export function createTimeline(container, opts) {
       span.style.minWidth = `${Math.max(0, x1 - x0)}px`;
       return span;
     });
-    rewindStrip.append(...spans);
+    placeInRows(rewindStrip, spans, bands.map((band) => band.x0), { rowHeight: REWIND_ROW, gap: 0, emptyRows: 0 });
+  }
+
+  /**
+   * Puts ``spans`` into ``strip``, each at its ``xs`` or right of it, in rows
+   * that never overlap (placeLabels); the strip is as tall as its rows
+   * (``emptyRows`` when there is none).
+   */
+  function placeInRows(strip, spans, xs, { rowHeight, gap = undefined, emptyRows }) {
+    strip.append(...spans);
     const placed = placeLabels(
-      bands.map((band, i) => ({ x: band.x0, width: spans[i].offsetWidth })),
-      rewindStrip.clientWidth,
-      0,
+      xs.map((x, i) => ({ x, width: spans[i].offsetWidth })),
+      strip.clientWidth,
+      gap,
     );
     placed.forEach(({ left, row }, i) => {
       spans[i].style.left = `${left}px`;
-      spans[i].style.top = `${row * REWIND_ROW}px`;
+      spans[i].style.top = `${row * rowHeight}px`;
     });
-    const rows = placed.length ? Math.max(...placed.map((p) => p.row)) + 1 : 0;
-    rewindStrip.style.height = `${rows * REWIND_ROW}px`;
+    const rows = placed.length ? Math.max(...placed.map((p) => p.row)) + 1 : emptyRows;
+    strip.style.height = `${rows * rowHeight}px`;
   }
 
   function onMouseMove(e) {

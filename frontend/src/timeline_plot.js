@@ -39,7 +39,7 @@ const STEP_INCREMENTS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9].flatMap((k) => [1, 2, 5].
 /** Least room per point, in CSS pixels, for a series to show its points. */
 const POINT_SPACE = 12;
 /** The colour variable of a rewind's band (`on_nonfinite="rewind"`), and its tint's opacity. */
-export const REWIND_COLOR = "--healthy";
+const REWIND_COLOR = "--healthy";
 const REWIND_ALPHA = 0.18;
 
 /** Gap between a marker line and its label, and between two labels of a row, in CSS pixels. */
